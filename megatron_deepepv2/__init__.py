@@ -1,0 +1,39 @@
+"""megatron-deepepv2: DeepEP v2 (``deep_ep.ElasticBuffer``) for Megatron-Core's flex MoE token dispatcher.
+
+Public API:
+
+* :func:`dispatch` / :func:`combine` -- differentiable expert-parallel all-to-all (:mod:`.ops`);
+* :class:`ExpertLayout`, :class:`DispatchHandle` -- layouts and the dispatch handle (:mod:`.backends`);
+* :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
+* :func:`destroy_buffers` -- release communication buffers before shutdown (:mod:`.buffers`).
+"""
+
+from megatron_deepepv2.backends import (
+    DispatchHandle,
+    ExpertLayout,
+    backend_names,
+    register_backend,
+    resolve_backend,
+)
+from megatron_deepepv2.buffers import destroy_buffers
+from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
+from megatron_deepepv2.ops import DispatchResult, combine, dispatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeepepV2Settings",
+    "DispatchHandle",
+    "DispatchResult",
+    "ExpertLayout",
+    "__version__",
+    "backend_names",
+    "combine",
+    "configure",
+    "destroy_buffers",
+    "dispatch",
+    "get_settings",
+    "register_backend",
+    "resolve_backend",
+    "settings_override",
+]

@@ -1,0 +1,110 @@
+"""Backend registry: maps a backend name to its class, and resolves ``auto``.
+
+Backends register here by name; nothing else in the package branches on backend names.
+
+* ``deepep`` -- :class:`~megatron_deepepv2.backends.deepep.DeepEPBackend` over ``deep_ep.ElasticBuffer``.
+* ``reference`` -- :class:`~megatron_deepepv2.backends.reference.ReferenceBackend` over
+  ``torch.distributed`` (gloo or NCCL).
+* ``auto`` -- ``deepep`` when it is usable (DeepEP v2 importable, CUDA), else ``reference``; the choice
+  is logged once. An explicit name never falls back: if that backend cannot run, an ImportError says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from megatron_deepepv2.backends.base import (
+    BackendLimits,
+    BufferSpec,
+    CombineOutput,
+    CommEvent,
+    CompletedEvent,
+    DispatchBackend,
+    DispatchHandle,
+    DispatchOutput,
+    ExpertLayout,
+    HiddenStates,
+)
+from megatron_deepepv2.backends.deepep import DeepEPBackend
+from megatron_deepepv2.backends.reference import ReferenceBackend
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+_REGISTRY: dict[str, type[DispatchBackend]] = {}
+_auto_choice_logged: Optional[str] = None
+
+
+def register_backend(backend_cls: type[DispatchBackend]) -> type[DispatchBackend]:
+    """Registers ``backend_cls`` under ``backend_cls.name`` (usable as a class decorator).
+
+    Raises:
+        ValueError: If another class already holds that name.
+    """
+    existing = _REGISTRY.get(backend_cls.name)
+    if existing is not None and existing is not backend_cls:
+        raise ValueError(f"Backend name {backend_cls.name!r} is already taken by {existing.__qualname__}.")
+    _REGISTRY[backend_cls.name] = backend_cls
+    return backend_cls
+
+
+def backend_names() -> list[str]:
+    """Names accepted by :func:`resolve_backend`, ``auto`` first."""
+    return [AUTO, *sorted(_REGISTRY)]
+
+
+def resolve_backend(name: str) -> type[DispatchBackend]:
+    """Returns the backend class for ``name``.
+
+    Args:
+        name: ``"auto"`` or a registered backend name.
+
+    Returns:
+        The backend class, usable in this process.
+
+    Raises:
+        ValueError: If ``name`` is not known.
+        ImportError: If an explicitly named backend cannot run here (the message says why and how to fix it).
+    """
+    global _auto_choice_logged
+    key = str(name).lower()
+    if key == AUTO:
+        deepep_problem = DeepEPBackend.unavailable_reason()
+        chosen = DeepEPBackend if deepep_problem is None else ReferenceBackend
+        if _auto_choice_logged != chosen.name:
+            reason = "" if deepep_problem is None else f" (deepep unavailable: {deepep_problem})"
+            logger.info("deepepv2 backend 'auto' resolved to %r%s", chosen.name, reason)
+            _auto_choice_logged = chosen.name
+        return chosen
+    if key not in _REGISTRY:
+        raise ValueError(f"Unknown deepepv2 backend {name!r}; choose one of {backend_names()}.")
+    backend_cls = _REGISTRY[key]
+    problem = backend_cls.unavailable_reason()
+    if problem is not None:
+        raise ImportError(f"deepepv2 backend {key!r} was requested but cannot run here: {problem}")
+    return backend_cls
+
+
+register_backend(ReferenceBackend)
+register_backend(DeepEPBackend)
+
+__all__ = [
+    "AUTO",
+    "BackendLimits",
+    "BufferSpec",
+    "CombineOutput",
+    "CommEvent",
+    "CompletedEvent",
+    "DeepEPBackend",
+    "DispatchBackend",
+    "DispatchHandle",
+    "DispatchOutput",
+    "ExpertLayout",
+    "HiddenStates",
+    "ReferenceBackend",
+    "backend_names",
+    "register_backend",
+    "resolve_backend",
+]

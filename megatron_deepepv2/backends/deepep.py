@@ -1,0 +1,295 @@
+"""DeepEP v2 adapter: the backend contract over ``deep_ep.ElasticBuffer`` (DeepEP >= 2.1.0).
+
+A thin layer: argument plumbing, the handle translation, and the fixes for DeepEP's known traps
+(``../shared/notes/deepep-v2.md`` in the project history, summarised where each is handled):
+
+* the group's NCCL communicator is materialised before DeepEP reads it (a lazy one segfaults, DeepEP #726);
+* cached dispatch always passes ``num_sms`` from the handle (``num_sms=0`` raises, DeepEP #685) and
+  ``do_expand`` / ``do_zero_padding`` explicitly (dispatch does not take them from the handle);
+* ``previous_event`` is only passed together with ``allocate_on_comm_stream`` (a host assert otherwise);
+* events are waited through ``EventOverlap.current_stream_wait`` only in async mode (it asserts otherwise),
+  which is also what runs DeepEP's deterministic sort in async mode;
+* hybrid (RDMA x NVLink) mode is used only when the group spans nodes; single-node runs use direct mode.
+
+``deep_ep`` is imported lazily: this module imports without it, and :meth:`DeepEPBackend.unavailable_reason`
+explains what is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_deepepv2.backends.base import (
+    BackendLimits,
+    BufferSpec,
+    CombineOutput,
+    CompletedEvent,
+    DispatchBackend,
+    DispatchHandle,
+    DispatchOutput,
+    ExpertLayout,
+    HiddenStates,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The oldest NCCL runtime DeepEP v2 works with (device API, GIN, symmetric windows).
+MIN_NCCL_VERSION = (2, 30, 4)
+
+INSTALL_HINT = (
+    "Install DeepEP v2 (>= 2.1.0, which provides deep_ep.ElasticBuffer) built against NCCL >= 2.30.4, the same "
+    "NCCL that PyTorch loads, on an SM90/SM100 GPU with nvcc available at run time for its JIT "
+    "(see https://github.com/deepseek-ai/DeepEP). On single-node machines without an RDMA NIC also set "
+    "EP_DISABLE_GIN=1. Or select the portable backend with MEGATRON_DEEPEPV2_BACKEND=reference. "
+    "`python -m megatron_deepepv2.doctor` checks every requirement."
+)
+
+
+def import_deep_ep() -> Any:
+    """Imports ``deep_ep`` and checks that it is DeepEP v2.
+
+    Returns:
+        The ``deep_ep`` module.
+
+    Raises:
+        ImportError: If ``deep_ep`` is missing, fails its own import checks (DeepEP raises AssertionError for
+            an NCCL mismatch, which is converted here), or lacks ``ElasticBuffer`` (a V1 build).
+    """
+    try:
+        import deep_ep  # noqa: PLC0415 - optional dependency
+    except ImportError as error:
+        raise ImportError(f"deep_ep is not importable ({error}). {INSTALL_HINT}") from error
+    except AssertionError as error:  # check_nccl_so(): duplicate or mismatched libnccl
+        raise ImportError(f"deep_ep refused to import: {error}. {INSTALL_HINT}") from error
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        version = getattr(deep_ep, "__version__", "unknown")
+        raise ImportError(f"deep_ep {version} has no ElasticBuffer: it is DeepEP v1. {INSTALL_HINT}")
+    return deep_ep
+
+
+def _nccl_version() -> Optional[tuple[int, ...]]:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - torch raises various errors without NCCL
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
+
+
+def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
+    """Makes PyTorch create the NCCL communicator of ``group`` now.
+
+    DeepEP reuses PyTorch's communicator (``EP_REUSE_NCCL_COMM=1``, its default) and segfaults on the null
+    pointer of a lazy one. One tiny all-reduce on a CUDA tensor forces its creation.
+
+    Args:
+        group: An NCCL process group.
+    """
+    probe = torch.zeros(1, device="cuda")
+    dist.all_reduce(probe, group=group)
+
+
+def _group_spans_nodes(group_size: int) -> bool:
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    per_node = int(local) if local else max(torch.cuda.device_count(), 1)
+    return group_size > per_node
+
+
+class _EventOverlapWait:
+    """Adapts DeepEP's ``EventOverlap`` of an async call to :class:`~megatron_deepepv2.backends.base.CommEvent`."""
+
+    def __init__(self, event_overlap: Any) -> None:
+        self._event_overlap = event_overlap
+
+    def wait(self) -> None:
+        # Also runs DeepEP's deterministic sort, registered as an after-wait hook in async mode.
+        self._event_overlap.current_stream_wait()
+
+
+class DeepEPBackend(DispatchBackend):
+    """Dispatch/combine with DeepEP v2's ``ElasticBuffer`` (NVLink / NCCL GIN kernels).
+
+    Args:
+        group: NCCL process group of the expert-parallel ranks.
+        spec: Buffer shape key; ``num_max_tokens_per_rank`` must be the same on every rank.
+    """
+
+    name: ClassVar[str] = "deepep"
+    limits: ClassVar[BackendLimits] = BackendLimits(
+        dispatch_dtypes=(torch.bfloat16,),
+        combine_dtypes=(torch.bfloat16,),
+        combine_hidden_multiple=256,  # combine kernel static assert kHidden % 256
+        fp8_hidden_multiple=32,  # TMA: hidden bytes % 32
+        max_topk=32,
+        requires_cuda=True,
+    )
+
+    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
+        super().__init__(group, spec)
+        from megatron_deepepv2.config import get_settings  # noqa: PLC0415 - avoid an import cycle
+
+        deep_ep = import_deep_ep()
+        ensure_nccl_communicator(group)
+        allow_hybrid = get_settings().allow_hybrid_mode
+        if allow_hybrid is None:
+            allow_hybrid = _group_spans_nodes(self.group_size)
+        self.buffer = deep_ep.ElasticBuffer(
+            group,
+            num_max_tokens_per_rank=spec.num_max_tokens_per_rank,
+            hidden=spec.hidden,
+            num_topk=spec.num_topk,
+            use_fp8_dispatch=spec.use_fp8,
+            deterministic=spec.deterministic,
+            allow_hybrid_mode=allow_hybrid,
+            allow_multiple_reduction=True,  # expand combine with weights needs it
+            explicitly_destroy=True,
+        )
+        logger.info(
+            "Built DeepEP ElasticBuffer: %d ranks, %d bytes, T_max=%d, hidden=%d, top-k=%d, fp8=%s, "
+            "deterministic=%s, hybrid=%s",
+            self.group_size,
+            self.buffer.num_bytes,
+            spec.num_max_tokens_per_rank,
+            spec.hidden,
+            spec.num_topk,
+            spec.use_fp8,
+            spec.deterministic,
+            allow_hybrid,
+        )
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        if not torch.cuda.is_available():
+            return f"no CUDA device is visible. {INSTALL_HINT}"
+        major, _ = torch.cuda.get_device_capability()
+        if major < 9:
+            return f"DeepEP v2 needs an SM90 (Hopper) or SM100 GPU; this one is SM{major}x. {INSTALL_HINT}"
+        nccl = _nccl_version()
+        if nccl is not None and nccl < MIN_NCCL_VERSION:
+            loaded = ".".join(map(str, nccl))
+            return f"PyTorch loaded NCCL {loaded}; DeepEP v2 needs >= 2.30.4. {INSTALL_HINT}"
+        try:
+            import_deep_ep()
+        except ImportError as error:
+            return str(error)
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    def _wrap(self, layout: ExpertLayout, native_handle: Any, num_tokens: int, num_topk: int,
+              num_experts: int, expert_alignment: int, zero_padding: bool, num_recv_rows: int,
+              device: torch.device) -> DispatchHandle:
+        counts = list(native_handle.num_recv_tokens_per_expert_list)
+        return DispatchHandle(
+            backend=self,
+            layout=layout,
+            num_experts=num_experts,
+            num_local_experts=num_experts // self.group_size,
+            expert_alignment=expert_alignment,
+            zero_padding=zero_padding,
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            num_recv_rows=num_recv_rows,
+            tokens_per_expert=torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
+            tokens_per_expert_list=counts,
+            native=native_handle,
+        )
+
+    @staticmethod
+    def _event(event_overlap: Any, async_finish: bool):
+        return _EventOverlapWait(event_overlap) if async_finish else CompletedEvent()
+
+    def dispatch(
+        self,
+        x: HiddenStates,
+        topk_idx: torch.Tensor,
+        topk_weights: Optional[torch.Tensor],
+        *,
+        num_experts: int,
+        layout: ExpertLayout = ExpertLayout.COMPACT,
+        expert_alignment: int = 1,
+        zero_padding: bool = False,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        previous_event: Optional[Any] = None,
+    ) -> DispatchOutput:
+        expand = layout is ExpertLayout.EXPAND
+        recv_x, recv_idx, recv_weights, native_handle, event = self.buffer.dispatch(
+            x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
+            expert_alignment=expert_alignment,
+            num_sms=self.spec.num_sms,
+            previous_event=previous_event if allocate_on_comm_stream else None,
+            async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            do_expand=expand,
+            do_zero_padding=zero_padding and expand,
+        )
+        rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+        handle = self._wrap(
+            layout, native_handle, topk_idx.shape[0], topk_idx.shape[1], num_experts, expert_alignment,
+            zero_padding, rows.shape[0], rows.device,
+        )
+        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle,
+                              self._event(event, async_finish))
+
+    def cached_dispatch(
+        self,
+        x: HiddenStates,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor] = None,
+        *,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        previous_event: Optional[Any] = None,
+    ) -> DispatchOutput:
+        expand = handle.layout is ExpertLayout.EXPAND
+        native = handle.native
+        recv_x, recv_idx, recv_weights, _, event = self.buffer.dispatch(
+            x,
+            topk_weights=topk_weights,
+            num_sms=native.num_sms,  # DeepEP #685: num_sms=0 with a handle raises
+            previous_event=previous_event if allocate_on_comm_stream else None,
+            async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            handle=native,
+            do_expand=expand,
+            do_zero_padding=expand,  # padding rows of a gradient must be zero
+        )
+        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle,
+                              self._event(event, async_finish))
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor] = None,
+        *,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        previous_event: Optional[Any] = None,
+    ) -> CombineOutput:
+        combined, combined_weights, event = self.buffer.combine(
+            x,
+            handle.native,
+            topk_weights=topk_weights,
+            num_sms=handle.native.num_sms,
+            previous_event=previous_event if allocate_on_comm_stream else None,
+            async_with_compute_stream=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+        return CombineOutput(combined, combined_weights, self._event(event, async_finish))
+
+    def capture_event(self) -> Optional[Any]:
+        return self.buffer.capture()
+
+    def destroy(self) -> None:
+        if getattr(self, "buffer", None) is not None:
+            self.buffer.destroy()
+            self.buffer = None

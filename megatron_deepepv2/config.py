@@ -1,0 +1,156 @@
+"""Process-wide settings of megatron-deepepv2: one place for every switch, read from the environment.
+
+Each field has an environment variable (``MEGATRON_DEEPEPV2_<FIELD>``), read on first use. Code and
+tests change settings with :func:`configure` or, temporarily, :func:`settings_override`.
+
+| field | environment variable | default |
+|---|---|---|
+| ``backend`` | ``MEGATRON_DEEPEPV2_BACKEND`` | ``auto`` (DeepEP when usable on CUDA, else reference) |
+| ``layout`` | ``MEGATRON_DEEPEPV2_LAYOUT`` | ``expand`` |
+| ``num_max_tokens_per_rank`` | ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK`` | unset: max over ranks of the first batch |
+| ``validate`` | ``MEGATRON_DEEPEPV2_VALIDATE`` | off (host-synchronising checks) |
+| ``deterministic`` | ``MEGATRON_DEEPEPV2_DETERMINISTIC`` | off |
+| ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 0 (Megatron's ``moe_flex_dispatcher_num_sms`` wins) |
+| ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from megatron_deepepv2.backends.base import ExpertLayout
+
+_ENV_PREFIX = "MEGATRON_DEEPEPV2_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass
+class DeepepV2Settings:
+    """Switches of the deepepv2 path.
+
+    Attributes:
+        backend: ``"auto"``, ``"deepep"`` or ``"reference"``. An explicit choice never falls back.
+        layout: Receive layout used by the Megatron manager: ``expand`` (per-expert rows, aligned, no
+            permute) or ``compact`` (one row per token and rank, then Megatron's permute).
+        num_max_tokens_per_rank: Token capacity of the buffer, the same on every rank; rounded up to a
+            power of two. None: the maximum over ranks of the first batch.
+        validate: Run the checks that need data on the host (expert ids in range, no duplicate expert
+            in a row) and agree on errors across ranks, so bad input raises on every rank. Costs a
+            device-to-host sync and a small all-reduce per call: meant for tests and debugging.
+        deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, event waits, ordered
+            reductions).
+        num_sms: SMs for DeepEP's communication kernels (0 = Megatron's setting, else DeepEP's model).
+        allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode. None: only when the group spans nodes.
+    """
+
+    backend: str = "auto"
+    layout: ExpertLayout = ExpertLayout.EXPAND
+    num_max_tokens_per_rank: Optional[int] = None
+    validate: bool = False
+    deterministic: bool = False
+    num_sms: int = 0
+    allow_hybrid_mode: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        self.layout = ExpertLayout.parse(self.layout)
+        self.backend = str(self.backend).lower()
+        if self.num_max_tokens_per_rank is not None and int(self.num_max_tokens_per_rank) <= 0:
+            raise ValueError(
+                f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token count, "
+                "or unset to take the largest first batch over the ranks."
+            )
+        if int(self.num_sms) < 0:
+            raise ValueError(f"num_sms={self.num_sms} must be >= 0 (0 lets the backend choose).")
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "DeepepV2Settings":
+        """Builds settings from ``MEGATRON_DEEPEPV2_*`` variables.
+
+        Args:
+            environ: Mapping to read instead of ``os.environ``.
+
+        Returns:
+            Settings with every variable that is set applied over the defaults.
+
+        Raises:
+            ValueError: If a variable holds a value its field cannot take.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(_ENV_PREFIX + f.name.upper())
+            if raw is None and f.name == "num_max_tokens_per_rank":
+                raw = environ.get(_ENV_PREFIX + "MAX_TOKENS_PER_RANK")
+            if raw is None:
+                continue
+            values[f.name] = _parse_env_value(f.name, raw)
+        return cls(**values)
+
+
+def _parse_env_value(name: str, raw: str) -> Any:
+    variable = _ENV_PREFIX + name.upper()
+    text = raw.strip().lower()
+    if name in ("validate", "deterministic", "allow_hybrid_mode"):
+        if name == "allow_hybrid_mode" and text in ("", "auto"):
+            return None
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ValueError(f"{variable}={raw!r} is not a boolean; use 1 or 0.")
+    if name in ("num_max_tokens_per_rank", "num_sms"):
+        if name == "num_max_tokens_per_rank" and text in ("", "auto"):
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not an integer.") from None
+    return raw.strip()
+
+
+_settings: Optional[DeepepV2Settings] = None
+
+
+def get_settings() -> DeepepV2Settings:
+    """Returns the process-wide settings, reading the environment on first use."""
+    global _settings
+    if _settings is None:
+        _settings = DeepepV2Settings.from_env()
+    return _settings
+
+
+def configure(**changes: Any) -> DeepepV2Settings:
+    """Changes process-wide settings.
+
+    Args:
+        **changes: Field names of :class:`DeepepV2Settings` and their new values.
+
+    Returns:
+        The new settings.
+
+    Raises:
+        TypeError: If a name is not a settings field.
+    """
+    global _settings
+    known = {f.name for f in dataclasses.fields(DeepepV2Settings)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"Unknown deepepv2 setting(s) {unknown}; known settings: {sorted(known)}.")
+    _settings = dataclasses.replace(get_settings(), **changes)
+    return _settings
+
+
+@contextlib.contextmanager
+def settings_override(**changes: Any) -> Iterator[DeepepV2Settings]:
+    """Applies :func:`configure` for the duration of a ``with`` block, then restores the settings."""
+    global _settings
+    saved = get_settings()
+    try:
+        yield configure(**changes)
+    finally:
+        _settings = saved

@@ -1,0 +1,286 @@
+"""Differentiable dispatch and combine: the autograd ops every caller (the Megatron manager included) uses.
+
+=========  ==========================================  ==========================================
+op         forward                                     backward
+=========  ==========================================  ==========================================
+dispatch   backend dispatch (fresh routing)            combine of the gradient, weights alongside
+combine    backend combine                             cached dispatch of the gradient
+=========  ==========================================  ==========================================
+
+Ordering rule (Megatron-LM#5153 review): every kernel that produces a communication input --
+``.contiguous()``, the fp32 cast of weights or gradients -- is enqueued *before* the event the
+communication stream waits on is captured. Otherwise the communication stream can read unwritten memory.
+
+In the compact layout, weights received for experts of other ranks (``recv_topk_idx == -1``) are returned
+as zero. Their gradient is therefore exactly zero, which is what combine-as-backward computes: it gathers
+each top-k slot's weight gradient from the rank that owns the slot's expert only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_deepepv2 import buffers, validation
+from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLayout, HiddenStates, resolve_backend
+from megatron_deepepv2.config import get_settings
+
+
+class DispatchResult(NamedTuple):
+    """Output of :func:`dispatch`.
+
+    Attributes:
+        recv_x: Received rows (an FP8 pair when one was dispatched).
+        recv_topk_idx: Compact: ``[N, K]`` local expert ids (-1 = other rank). Expand: None.
+        recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1. Expand: ``[N]``
+            fp32, zero on padding rows. None when no weights were dispatched.
+        tokens_per_expert: ``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device.
+        handle: Handle for :func:`combine`.
+    """
+
+    recv_x: HiddenStates
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    tokens_per_expert: torch.Tensor
+    handle: DispatchHandle
+
+
+def _previous_event(backend: DispatchBackend, allocate_on_comm_stream: bool) -> Optional[Any]:
+    # DeepEP accepts a previous event only together with allocate_on_comm_stream.
+    return backend.capture_event() if allocate_on_comm_stream else None
+
+
+class _DispatchFunction(torch.autograd.Function):
+    """Autograd dispatch; see the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        x_scales: Optional[torch.Tensor],
+        topk_weights: Optional[torch.Tensor],
+        topk_idx: torch.Tensor,
+        backend: DispatchBackend,
+        num_experts: int,
+        layout: ExpertLayout,
+        expert_alignment: int,
+        zero_padding: bool,
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+    ):
+        previous_event = _previous_event(backend, allocate_on_comm_stream)
+        out = backend.dispatch(
+            x if x_scales is None else (x, x_scales),
+            topk_idx,
+            topk_weights,
+            num_experts=num_experts,
+            layout=layout,
+            expert_alignment=expert_alignment,
+            zero_padding=zero_padding,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            previous_event=previous_event,
+        )
+        out.event.wait()
+        recv_x, recv_scales = out.recv_x if x_scales is not None else (out.recv_x, None)
+        recv_weights = out.recv_topk_weights
+        if recv_weights is not None and out.recv_topk_idx is not None:
+            recv_weights = recv_weights.masked_fill(out.recv_topk_idx < 0, 0.0)
+
+        ctx.handle = out.handle
+        ctx.async_finish = async_finish
+        ctx.allocate_on_comm_stream = allocate_on_comm_stream
+        ctx.has_weights = topk_weights is not None
+        fp8_rows = (recv_x, recv_scales) if x_scales is not None else ()
+        non_differentiable = [
+            t for t in (*fp8_rows, out.recv_topk_idx, out.handle.tokens_per_expert) if t is not None
+        ]
+        ctx.mark_non_differentiable(*non_differentiable)
+        return recv_x, recv_scales, out.recv_topk_idx, recv_weights, out.handle.tokens_per_expert, out.handle
+
+    @staticmethod
+    def backward(ctx: Any, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weights, _grad_counts, _grad_handle):
+        handle: DispatchHandle = ctx.handle
+        backend = handle.backend
+        if grad_recv_x is None:
+            grad_recv_x = torch.zeros(
+                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16,
+                device=handle.tokens_per_expert.device,
+            )
+        # Materialise every communication input before the event is captured.
+        grad_recv_x = grad_recv_x.contiguous()
+        grad_weights = None
+        if ctx.has_weights:
+            if grad_recv_weights is None:
+                shape = (handle.num_recv_rows,) if handle.layout is ExpertLayout.EXPAND else (
+                    handle.num_recv_rows, handle.num_topk)
+                grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
+            grad_weights = grad_recv_weights.float().contiguous()
+        previous_event = _previous_event(backend, ctx.allocate_on_comm_stream)
+        out = backend.combine(
+            grad_recv_x,
+            handle,
+            grad_weights,
+            async_finish=ctx.async_finish,
+            allocate_on_comm_stream=ctx.allocate_on_comm_stream,
+            previous_event=previous_event,
+        )
+        out.event.wait()
+        return out.x, None, out.topk_weights, None, None, None, None, None, None, None, None
+
+
+class _CombineFunction(torch.autograd.Function):
+    """Autograd combine; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, async_finish: bool, allocate_on_comm_stream: bool):  # type: ignore[override]
+        backend = handle.backend
+        previous_event = _previous_event(backend, allocate_on_comm_stream)
+        out = backend.combine(
+            x, handle, None, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+            previous_event=previous_event,
+        )
+        out.event.wait()
+        ctx.handle = handle
+        ctx.async_finish = async_finish
+        ctx.allocate_on_comm_stream = allocate_on_comm_stream
+        return out.x
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        handle: DispatchHandle = ctx.handle
+        backend = handle.backend
+        grad_out = grad_out.contiguous()  # before the event capture
+        previous_event = _previous_event(backend, ctx.allocate_on_comm_stream)
+        out = backend.cached_dispatch(
+            grad_out, handle, None, async_finish=ctx.async_finish,
+            allocate_on_comm_stream=ctx.allocate_on_comm_stream, previous_event=previous_event,
+        )
+        out.event.wait()
+        return out.recv_x, None, None, None
+
+
+def dispatch(
+    x: HiddenStates,
+    topk_idx: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    num_experts: int,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: Union[str, ExpertLayout] = ExpertLayout.COMPACT,
+    expert_alignment: int = 1,
+    zero_padding: bool = False,
+    backend: Optional[str] = None,
+    num_max_tokens_per_rank: Optional[int] = None,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> DispatchResult:
+    """Sends tokens to the ranks of their experts (differentiable in ``x`` and ``topk_weights``).
+
+    Args:
+        x: ``[T, H]`` hidden states, or an FP8 pair ``(x_fp8 [T, H], scales [T, S])`` (not differentiable).
+        topk_idx: ``[T, K]`` int64 global expert ids, -1 = no selection.
+        topk_weights: ``[T, K]`` floating routing weights (cast to fp32), or None.
+        num_experts: Global number of experts, a multiple of the group size.
+        group: Expert-parallel process group (default: the world).
+        layout: ``"compact"`` or ``"expand"``.
+        expert_alignment: Expand layout: pad each expert's block to a multiple of this.
+        zero_padding: Expand layout: zero-fill padding rows.
+        backend: ``"auto"``, ``"deepep"`` or ``"reference"`` (default: the ``backend`` setting).
+        num_max_tokens_per_rank: Token capacity, the same on every rank (default: the setting, else the
+            largest first batch). A batch larger than an explicit value raises.
+        async_finish: Let communication finish asynchronously (the op still orders the current stream
+            after it before returning, as Megatron's fused ops do).
+        allocate_on_comm_stream: Allocate outputs on the communication stream (DeepEP).
+
+    Returns:
+        The received rows, routing, tokens per local expert and the handle.
+
+    Raises:
+        TypeError, ValueError: Bad input, raised before any communication (with the ``validate``
+            setting on, on every rank of the group).
+        ImportError: An explicitly requested backend cannot run here.
+    """
+    settings = get_settings()
+    group = group if group is not None else dist.group.WORLD
+    layout = ExpertLayout.parse(layout)
+    backend_cls = resolve_backend(backend or settings.backend)
+    if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
+        topk_weights = topk_weights.float().contiguous()
+    if isinstance(x, torch.Tensor):
+        x = x.contiguous()
+    problem = validation.check_dispatch_inputs(
+        x,
+        topk_idx,
+        topk_weights,
+        num_experts=num_experts,
+        group_size=dist.get_world_size(group),
+        limits=backend_cls.limits,
+        layout=layout,
+        expert_alignment=expert_alignment,
+        zero_padding=zero_padding,
+        num_max_tokens_per_rank=num_max_tokens_per_rank,
+        check_values=settings.validate,
+    )
+    num_tokens = topk_idx.shape[0] if problem is None else 0
+    max_tokens = validation.raise_on_every_rank(problem, group, agree=settings.validate, num_tokens=num_tokens)
+
+    data, scales = x if isinstance(x, tuple) else (x, None)
+    buffer = buffers.get_buffer(
+        backend_cls,
+        group,
+        hidden=data.shape[1],
+        num_topk=topk_idx.shape[1],
+        use_fp8=scales is not None,
+        num_tokens=max_tokens,
+        configured_capacity=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
+        deterministic=settings.deterministic,
+        num_sms=settings.num_sms,
+    )
+    recv_x, recv_scales, recv_idx, recv_weights, tokens_per_expert, handle = _DispatchFunction.apply(
+        data,
+        scales,
+        topk_weights,
+        topk_idx.contiguous(),
+        buffer,
+        num_experts,
+        layout,
+        expert_alignment,
+        zero_padding,
+        async_finish,
+        allocate_on_comm_stream,
+    )
+    if scales is not None:
+        recv_x = (recv_x, recv_scales)
+    return DispatchResult(recv_x, recv_idx, recv_weights, tokens_per_expert, handle)
+
+
+def combine(
+    x: torch.Tensor,
+    handle: DispatchHandle,
+    *,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> torch.Tensor:
+    """Sums each token's expert outputs back on its source rank (differentiable in ``x``).
+
+    Args:
+        x: Rows in the receive layout of ``handle``: compact ``[N, H]`` (each row the sum of the token's
+            local experts' weighted outputs), expand ``[N_expanded, H]`` (one row per selection).
+        handle: The handle returned by :func:`dispatch`.
+        async_finish: See :func:`dispatch`.
+        allocate_on_comm_stream: See :func:`dispatch`.
+
+    Returns:
+        ``[T, H]`` combined rows in ``x``'s dtype.
+
+    Raises:
+        TypeError, ValueError: If ``x`` does not fit ``handle`` or the backend.
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
+    problem = validation.check_combine_inputs(x, handle, None)
+    validation.raise_on_every_rank(problem, handle.backend.group, agree=get_settings().validate)
+    return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)

@@ -1,0 +1,286 @@
+"""Input validation for dispatch and combine, run before any communication starts.
+
+A rank that raised in the middle of a collective would leave its peers waiting forever, so every check
+here runs first. Each error names the argument, the value it had and how to fix it.
+
+Two levels:
+
+* **static checks** (always on): types, dtypes, shapes, devices, configuration limits such as
+  ``num_experts % group_size`` or DeepEP's ``H % 256`` for combine. They cost no device sync.
+* **value checks** (``validate`` setting, :mod:`megatron_deepepv2.config`): expert ids in range and no
+  duplicate expert in one row. They read ``topk_idx`` on the host (a device-to-host sync), then all ranks
+  agree on the outcome in one small all-reduce, so bad input on *one* rank raises on *every* rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_deepepv2._dist import all_reduce_max
+from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
+
+_FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
+
+
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_dispatch_inputs(
+    x: HiddenStates,
+    topk_idx: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    *,
+    num_experts: int,
+    group_size: int,
+    limits: BackendLimits,
+    layout: ExpertLayout,
+    expert_alignment: int,
+    zero_padding: bool,
+    num_max_tokens_per_rank: Optional[int] = None,
+    check_values: bool = False,
+) -> Optional[Exception]:
+    """Checks dispatch arguments; returns the first problem instead of raising it.
+
+    Args:
+        x: ``[T, H]`` hidden states or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
+        topk_idx: ``[T, K]`` int64 expert ids, ``-1`` = none.
+        topk_weights: ``[T, K]`` fp32 weights or None.
+        num_experts: Global number of experts.
+        group_size: Ranks in the expert-parallel group.
+        limits: The backend's static limits.
+        layout: Requested receive layout.
+        expert_alignment: Expand block alignment.
+        zero_padding: Whether expand padding is zero-filled.
+        num_max_tokens_per_rank: Token capacity to check ``T`` against, or None to skip.
+        check_values: Also check expert id values (reads ``topk_idx`` on the host).
+
+    Returns:
+        A ``TypeError`` or ``ValueError`` describing the first problem, or None when all is well.
+    """
+    is_fp8 = isinstance(x, tuple)
+    if is_fp8:
+        if len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x):
+            return TypeError(
+                f"x must be a tensor [T, H] or an FP8 pair (x_fp8 [T, H], scales [T, S]); got a tuple of "
+                f"{len(x)} item(s) of types {[type(t).__name__ for t in x]}."
+            )
+        data, scales = x
+    elif isinstance(x, torch.Tensor):
+        data, scales = x, None
+    else:
+        return TypeError(f"x must be a torch.Tensor [T, H] or an FP8 pair; got {type(x).__name__}.")
+
+    if data.dim() != 2:
+        return ValueError(
+            f"x must be 2-D [num_tokens, hidden]; got shape {tuple(data.shape)}. Flatten leading dims with "
+            "x.view(-1, hidden)."
+        )
+    num_tokens, hidden = data.shape
+    if is_fp8:
+        if data.dtype not in _FP8_DTYPES:
+            return TypeError(
+                f"x[0] of an FP8 pair must have an FP8 dtype ({_dtype_names(_FP8_DTYPES)}); got {data.dtype}."
+            )
+        if scales.dim() != 2 or scales.shape[0] != num_tokens or scales.element_size() != 4:
+            return ValueError(
+                f"FP8 scales must be [T={num_tokens}, S] with 4-byte elements (fp32 scales or packed "
+                f"UE8M0 int32); got shape {tuple(scales.shape)} dtype {scales.dtype}."
+            )
+        if hidden % limits.fp8_hidden_multiple:
+            return ValueError(
+                f"FP8 dispatch needs hidden % {limits.fp8_hidden_multiple} == 0; got hidden={hidden}. Pad the "
+                "hidden size or dispatch in BF16."
+            )
+    elif data.dtype not in limits.dispatch_dtypes:
+        return TypeError(
+            f"x has dtype {data.dtype}; this backend dispatches {_dtype_names(limits.dispatch_dtypes)} (or an "
+            f"FP8 pair). Cast it, e.g. x.to(torch.bfloat16)."
+        )
+    if limits.combine_hidden_multiple > 1 and hidden % limits.combine_hidden_multiple:
+        return ValueError(
+            f"hidden={hidden} is not a multiple of {limits.combine_hidden_multiple}, which this backend's "
+            "combine (also run by dispatch backward) requires. Use a hidden size that is a multiple of "
+            f"{limits.combine_hidden_multiple}, or the reference backend."
+        )
+    if limits.requires_cuda and not data.is_cuda:
+        return ValueError(f"x is on {data.device}; this backend needs CUDA tensors. Move inputs with .cuda().")
+
+    if not isinstance(topk_idx, torch.Tensor):
+        return TypeError(f"topk_idx must be a torch.Tensor [T, K]; got {type(topk_idx).__name__}.")
+    if topk_idx.dtype != torch.int64:
+        return TypeError(f"topk_idx has dtype {topk_idx.dtype}; it must be int64. Convert with topk_idx.long().")
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
+        return ValueError(
+            f"topk_idx must be [T={num_tokens}, K] to match x; got shape {tuple(topk_idx.shape)}."
+        )
+    num_topk = topk_idx.shape[1]
+    if not 1 <= num_topk <= limits.max_topk:
+        return ValueError(f"top-k={num_topk} is out of range; this backend supports 1 <= K <= {limits.max_topk}.")
+    if topk_idx.device != data.device:
+        return ValueError(f"topk_idx is on {topk_idx.device} but x is on {data.device}; put both on one device.")
+
+    if topk_weights is not None:
+        if not isinstance(topk_weights, torch.Tensor):
+            return TypeError(f"topk_weights must be a torch.Tensor or None; got {type(topk_weights).__name__}.")
+        if topk_weights.dtype != torch.float32:
+            return TypeError(
+                f"topk_weights has dtype {topk_weights.dtype}; it must be float32. Convert with "
+                "topk_weights.float() (Megatron: --moe-router-dtype fp32)."
+            )
+        if tuple(topk_weights.shape) != tuple(topk_idx.shape):
+            return ValueError(
+                f"topk_weights has shape {tuple(topk_weights.shape)}; it must match topk_idx "
+                f"{tuple(topk_idx.shape)}."
+            )
+        if topk_weights.device != data.device:
+            return ValueError(f"topk_weights is on {topk_weights.device} but x is on {data.device}.")
+
+    if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % group_size:
+        return ValueError(
+            f"num_experts={num_experts} must be a positive multiple of the expert-parallel group size "
+            f"{group_size} so that every rank hosts the same number of experts."
+        )
+    if not isinstance(expert_alignment, int) or expert_alignment < 1:
+        return ValueError(f"expert_alignment={expert_alignment!r} must be an integer >= 1 (1 = no padding).")
+    if zero_padding and layout is not ExpertLayout.EXPAND:
+        return ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
+    if num_max_tokens_per_rank is not None and num_tokens > num_max_tokens_per_rank:
+        return ValueError(
+            f"This rank dispatches {num_tokens} tokens but num_max_tokens_per_rank={num_max_tokens_per_rank}. "
+            "Raise num_max_tokens_per_rank (MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to at least the largest "
+            "per-rank token count; it must be the same on every rank."
+        )
+    if check_values:
+        return check_expert_ids(topk_idx, num_experts)
+    return None
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
+    """Checks expert id values: each in ``[-1, num_experts)``, no expert twice in one row.
+
+    Reads ``topk_idx`` on the host (a device-to-host sync).
+
+    Args:
+        topk_idx: ``[T, K]`` int64 expert ids.
+        num_experts: Global number of experts.
+
+    Returns:
+        A ``ValueError`` naming the first bad token, or None.
+    """
+    if topk_idx.numel() == 0:
+        return None
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(out_of_range.any()):
+        token = int(out_of_range.any(dim=1).nonzero()[0, 0])
+        return ValueError(
+            f"topk_idx holds expert ids outside [-1, {num_experts}): token {token} has "
+            f"{topk_idx[token].tolist()}. Use -1 for 'no expert'."
+        )
+    ordered = torch.sort(topk_idx, dim=1).values
+    duplicate = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(duplicate.any()):
+        token = int(duplicate.any(dim=1).nonzero()[0, 0])
+        return ValueError(
+            f"topk_idx selects the same expert twice for token {token}: {topk_idx[token].tolist()}. Each "
+            "token must select distinct experts (DeepEP turns this into a device-side assert)."
+        )
+    return None
+
+
+def check_combine_inputs(
+    x: torch.Tensor,
+    handle: DispatchHandle,
+    topk_weights: Optional[torch.Tensor],
+) -> Optional[Exception]:
+    """Checks combine arguments against the handle of the dispatch being reversed.
+
+    Args:
+        x: Rows in the receive layout of ``handle``.
+        handle: Dispatch handle (its backend's static limits apply).
+        topk_weights: Optional weights in the receive layout.
+
+    Returns:
+        A ``TypeError`` or ``ValueError`` describing the first problem, or None.
+    """
+    if not isinstance(handle, DispatchHandle):
+        return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
+    limits = handle.backend.limits
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        return ValueError(f"combine input must be a 2-D tensor [rows, hidden]; got {shape}.")
+    if x.shape[0] != handle.num_recv_rows:
+        return ValueError(
+            f"combine input has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows} "
+            f"({handle.layout.value} layout); pass rows in the dispatch's receive layout."
+        )
+    if x.dtype not in limits.combine_dtypes:
+        return TypeError(
+            f"combine input has dtype {x.dtype}; this backend combines {_dtype_names(limits.combine_dtypes)}. "
+            "Cast with .to(torch.bfloat16)."
+        )
+    if limits.combine_hidden_multiple > 1 and x.shape[1] % limits.combine_hidden_multiple:
+        return ValueError(
+            f"combine hidden={x.shape[1]} is not a multiple of {limits.combine_hidden_multiple}, which this "
+            "backend requires."
+        )
+    if topk_weights is not None:
+        expected = (
+            (handle.num_recv_rows,)
+            if handle.layout is ExpertLayout.EXPAND
+            else (handle.num_recv_rows, handle.num_topk)
+        )
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != expected:
+            return ValueError(
+                f"combine topk_weights must be float32 of shape {expected}; got {topk_weights.dtype} "
+                f"{tuple(topk_weights.shape)}."
+            )
+    return None
+
+
+def raise_on_every_rank(
+    problem: Optional[Exception],
+    group: dist.ProcessGroup,
+    *,
+    agree: bool,
+    num_tokens: int = 0,
+) -> int:
+    """Raises ``problem``; with ``agree``, first makes every rank of ``group`` raise together.
+
+    With ``agree`` the ranks run one small all-reduce carrying an error flag per rank and the token
+    count, so a problem on any rank stops all of them before the dispatch's collectives start.
+
+    Args:
+        problem: This rank's problem, or None.
+        group: Process group of the dispatch.
+        agree: Share the outcome over ``group`` (the ``validate`` setting).
+        num_tokens: This rank's token count, maximised over the group alongside.
+
+    Returns:
+        The largest token count over the group (``num_tokens`` itself without ``agree``).
+
+    Raises:
+        TypeError, ValueError: This rank's problem, or a ValueError naming the ranks that had one.
+    """
+    if not agree:
+        if problem is not None:
+            raise problem
+        return num_tokens
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flags = [0] * world
+    flags[rank] = int(problem is not None)
+    agreed = all_reduce_max(flags + [num_tokens], group)
+    failed = [r for r in range(world) if agreed[r]]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise ValueError(
+            f"Rank(s) {failed} of the expert-parallel group rejected their dispatch inputs (their error "
+            "says why); this rank's inputs were valid but it stops too instead of waiting for them."
+        )
+    return agreed[-1]

@@ -1,0 +1,110 @@
+"""Multi-process test harness: runs a function on N gloo ranks and returns what each rank returned.
+
+Ranks are forked from a forkserver that has already imported torch and this package, so a multi-rank
+test costs well under a second of start-up. Every run has a timeout: a hang fails the test instead of
+blocking CI, and leftover processes are killed. A failure on any rank is re-raised with that rank's
+traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron_deepepv2"])
+
+
+class RankFailure(AssertionError):
+    """A rank of a distributed test raised; the message holds its traceback."""
+
+
+def free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import megatron_deepepv2
+
+            megatron_deepepv2.destroy_buffers()
+        except Exception:  # noqa: BLE001 - the group may be broken already
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    Args:
+        fn: A module-level function (it is pickled by reference).
+        world_size: Number of ranks.
+        *args: Extra picklable arguments.
+        timeout: Seconds before the run is declared hung and killed.
+        env: Environment variables to set in every rank.
+
+    Returns:
+        The return values, indexed by rank.
+
+    Raises:
+        RankFailure: If any rank raised (first failing rank's traceback), or the run timed out.
+    """
+    port = free_port()
+    results = _CONTEXT.Queue()
+    procs = [
+        _CONTEXT.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(env or {})))
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise RankFailure(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
+            outcomes[rank] = (ok, value)
+            if not ok:
+                break  # peers may now be stuck waiting for this rank
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(outcomes) == world_size else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    if failures:
+        rank = min(failures)
+        raise RankFailure(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    return [outcomes[r][1] for r in range(world_size)]
