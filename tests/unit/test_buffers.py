@@ -1,0 +1,76 @@
+"""Buffer lifecycle: one buffer per group, collective rebuilds on key change and growth, destroy."""
+
+from __future__ import annotations
+
+import torch
+
+import megatron_deepepv2 as dv2
+from megatron_deepepv2 import buffers
+from tests.distributed import run_distributed
+
+
+def _dispatch(num_tokens: int, hidden: int, topk: int = 2, **kwargs):
+    x = torch.randn(num_tokens, hidden)
+    idx = torch.stack([torch.randperm(4)[:topk] for _ in range(num_tokens)]) if num_tokens else torch.zeros(0, topk, dtype=torch.long)
+    return dv2.dispatch(x, idx, torch.rand(num_tokens, topk), 4, **kwargs)
+
+
+def _lifecycle_worker(rank: int, world: int) -> dict:
+    stats = buffers.buffer_stats()
+    # First build: capacity = largest first batch over the ranks (5 on rank 1), rounded to a power of two.
+    first = _dispatch(3 + 2 * rank, hidden=8).handle.backend
+    assert first.spec.num_max_tokens_per_rank == 8
+    assert stats.builds == 1
+    # Steady state: same shape key and within capacity -> the same buffer, no build.
+    for tokens in (1, 8, 0):
+        assert _dispatch(tokens, hidden=8).handle.backend is first
+    assert stats.builds == 1
+    # Hidden size change -> collective rebuild keeping the capacity.
+    second = _dispatch(2, hidden=16).handle.backend
+    assert second is not first and second.spec.hidden == 16 and second.spec.num_max_tokens_per_rank == 8
+    assert stats.rebuilds_for_key == 1
+    # Top-k change is a key change too.
+    third = _dispatch(2, hidden=16, topk=3).handle.backend
+    assert third is not second and stats.rebuilds_for_key == 2
+    # A batch above the capacity on every rank grows it to the max over ranks (power of two).
+    fourth = _dispatch(9 + rank * 10, hidden=16, topk=3).handle.backend
+    assert fourth.spec.num_max_tokens_per_rank == 32 and stats.rebuilds_for_capacity == 1
+    assert buffers.active_buffers() == [fourth]
+    dv2.destroy_buffers()
+    assert buffers.active_buffers() == []
+    return {"builds": stats.builds}
+
+
+def _uneven_growth_worker(rank: int, world: int) -> None:
+    # Only rank 0 exceeds the capacity: with validation on, the per-call agreement shares the count
+    # and every rank grows together (no hang, no mismatched collectives).
+    _dispatch(4, hidden=8)
+    assert buffers.active_buffers()[0].spec.num_max_tokens_per_rank == 4
+    result = _dispatch(20 if rank == 0 else 1, hidden=8)
+    assert result.handle.backend.spec.num_max_tokens_per_rank == 32
+
+
+def _configured_capacity_worker(rank: int, world: int) -> None:
+    with dv2.settings_override(num_max_tokens_per_rank=100):
+        backend = _dispatch(3, hidden=8).handle.backend
+        assert backend.spec.num_max_tokens_per_rank == 128
+    # An explicit per-call capacity smaller than the batch is an input error on every rank.
+    try:
+        _dispatch(10, hidden=8, num_max_tokens_per_rank=8)
+    except ValueError as error:
+        assert "num_max_tokens_per_rank=8" in str(error)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def test_buffer_reused_rebuilt_grown_and_destroyed() -> None:
+    results = run_distributed(_lifecycle_worker, 2)
+    assert results == [{"builds": 4}, {"builds": 4}]
+
+
+def test_growth_with_one_rank_exceeding_under_validation() -> None:
+    run_distributed(_uneven_growth_worker, 2)
+
+
+def test_configured_capacity_rounds_up_to_power_of_two() -> None:
+    run_distributed(_configured_capacity_worker, 2)

@@ -1,0 +1,86 @@
+"""Backend registry (explicit choice never falls back) and settings parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+import megatron_deepepv2 as dv2
+from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend, register_backend, resolve_backend
+from megatron_deepepv2.backends.deepep import import_deep_ep
+from megatron_deepepv2.config import DeepepV2Settings
+
+
+def test_auto_resolves_to_reference_without_deepep(caplog: pytest.LogCaptureFixture) -> None:
+    assert DeepEPBackend.unavailable_reason() is not None
+    with caplog.at_level("INFO"):
+        assert resolve_backend("auto") is ReferenceBackend
+    assert resolve_backend("reference") is ReferenceBackend
+    assert resolve_backend("REFERENCE") is ReferenceBackend
+
+
+def test_explicit_deepep_raises_import_error_with_instructions() -> None:
+    with pytest.raises(ImportError) as info:
+        resolve_backend("deepep")
+    message = str(info.value)
+    assert "deepepv2 backend 'deepep' was requested but cannot run here" in message
+    assert "NCCL >= 2.30.4" in message and "MEGATRON_DEEPEPV2_BACKEND=reference" in message
+
+
+def test_import_deep_ep_explains_what_is_missing() -> None:
+    with pytest.raises(ImportError, match="deep_ep is not importable"):
+        import_deep_ep()
+
+
+def test_unknown_backend_lists_choices() -> None:
+    with pytest.raises(ValueError, match=r"choose one of \['auto', 'deepep', 'reference'\]"):
+        resolve_backend("nccl")
+
+
+def test_registering_a_taken_name_is_refused() -> None:
+    class Impostor(ReferenceBackend):
+        name = "reference"
+
+    with pytest.raises(ValueError, match="already taken"):
+        register_backend(Impostor)
+
+
+def test_settings_from_environment() -> None:
+    settings = DeepepV2Settings.from_env(
+        {
+            "MEGATRON_DEEPEPV2_BACKEND": "Reference",
+            "MEGATRON_DEEPEPV2_LAYOUT": "compact",
+            "MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK": "4096",
+            "MEGATRON_DEEPEPV2_VALIDATE": "1",
+            "MEGATRON_DEEPEPV2_DETERMINISTIC": "true",
+            "MEGATRON_DEEPEPV2_NUM_SMS": "24",
+            "MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE": "auto",
+        }
+    )
+    assert settings == DeepepV2Settings(
+        backend="reference", layout="compact", num_max_tokens_per_rank=4096, validate=True,
+        deterministic=True, num_sms=24, allow_hybrid_mode=None,
+    )
+    assert DeepepV2Settings.from_env({}) == DeepepV2Settings()
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"MEGATRON_DEEPEPV2_VALIDATE": "maybe"}, "is not a boolean"),
+        ({"MEGATRON_DEEPEPV2_NUM_SMS": "many"}, "is not an integer"),
+        ({"MEGATRON_DEEPEPV2_LAYOUT": "diagonal"}, "not a known expert layout"),
+        ({"MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK": "-5"}, "must be a positive token count"),
+    ],
+)
+def test_bad_environment_values_are_rejected(env: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DeepepV2Settings.from_env(env)
+
+
+def test_configure_and_override() -> None:
+    before = dv2.get_settings()
+    with dv2.settings_override(layout="compact", num_sms=8) as settings:
+        assert settings.layout is dv2.ExpertLayout.COMPACT and dv2.get_settings().num_sms == 8
+    assert dv2.get_settings() == before
+    with pytest.raises(TypeError, match="Unknown deepepv2 setting"):
+        dv2.configure(colour="blue")
