@@ -5,6 +5,7 @@ Public API:
 * :func:`dispatch` / :func:`combine` -- differentiable expert-parallel all-to-all (:mod:`.ops`);
 * :class:`ExpertLayout`, :class:`DispatchHandle` -- layouts and the dispatch handle (:mod:`.backends`);
 * :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
+* :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.integration`);
 * :func:`destroy_buffers` -- release communication buffers before shutdown (:mod:`.buffers`).
 """
 
@@ -21,6 +22,20 @@ from megatron_deepepv2.ops import DispatchResult, combine, dispatch
 
 __version__ = "0.1.0"
 
+
+def install():
+    """Teaches megatron-core the ``deepepv2`` flex-dispatcher backend (see :mod:`megatron_deepepv2.integration`).
+
+    Idempotent. Imports Megatron, so it lives behind this function rather than at package import.
+
+    Returns:
+        An :class:`~megatron_deepepv2.integration.InstallReport`.
+    """
+    from megatron_deepepv2.integration import install as _install  # noqa: PLC0415
+
+    return _install()
+
+
 __all__ = [
     "DeepepV2Settings",
     "DispatchHandle",
@@ -33,6 +48,7 @@ __all__ = [
     "destroy_buffers",
     "dispatch",
     "get_settings",
+    "install",
     "register_backend",
     "resolve_backend",
     "settings_override",

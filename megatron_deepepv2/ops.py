@@ -174,6 +174,7 @@ def dispatch(
     zero_padding: bool = False,
     backend: Optional[str] = None,
     num_max_tokens_per_rank: Optional[int] = None,
+    num_sms: Optional[int] = None,
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
 ) -> DispatchResult:
@@ -191,6 +192,7 @@ def dispatch(
         backend: ``"auto"``, ``"deepep"`` or ``"reference"`` (default: the ``backend`` setting).
         num_max_tokens_per_rank: Token capacity, the same on every rank (default: the setting, else the
             largest first batch). A batch larger than an explicit value raises.
+        num_sms: SMs for the communication kernels (default: the ``num_sms`` setting; 0 = backend's choice).
         async_finish: Let communication finish asynchronously (the op still orders the current stream
             after it before returning, as Megatron's fused ops do).
         allocate_on_comm_stream: Allocate outputs on the communication stream (DeepEP).
@@ -237,7 +239,7 @@ def dispatch(
         num_tokens=max_tokens,
         configured_capacity=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
         deterministic=settings.deterministic,
-        num_sms=settings.num_sms,
+        num_sms=settings.num_sms if num_sms is None else num_sms,
     )
     recv_x, recv_scales, recv_idx, recv_weights, tokens_per_expert, handle = _DispatchFunction.apply(
         data,

@@ -1,0 +1,345 @@
+"""Megatron-Core integration: every patch this package applies to Megatron, applied by one :func:`install`.
+
+Megatron-Core 0.17 - 0.19.x picks flex-dispatcher backends by string comparisons spread over several
+modules. ``install()`` makes each of them accept ``"deepepv2"``:
+
+======================================  ===========================================================
+place                                   change
+======================================  ===========================================================
+``TransformerConfig`` field type        ``Literal[...]`` gains ``'deepepv2'`` so the CLI accepts it
+``TransformerConfig.__post_init__``     deepepv2 validated like deepep: flex required, pad-to-capacity
+                                        rejected, TPxEP > 1; ``moe_enable_deepep`` with deepepv2 is
+                                        rejected instead of silently becoming deepep
+``moe_layer.MoEFlexTokenDispatcher``    rebound to :class:`DeepepV2FlexTokenDispatcher`, which builds
+                                        :class:`~megatron_deepepv2.manager._DeepepV2Manager` for
+                                        deepepv2 and defers to Megatron for every other backend
+``should_free_input``                   deepepv2 keeps the EP-overlap schedule's inputs like deepep
+``build_transformer_layer_callables``   deepepv2 detaches probs across schedule nodes like deepep
+``skip_routed_expert_padding``          experts skip their own padding when deepepv2 already padded
+                                        (megatron-core >= 0.18; 0.17 has no such hook)
+======================================  ===========================================================
+
+``install()`` is idempotent. On a megatron-core release outside the supported range it raises; on one
+that already ships ``deepepv2`` it logs that and leaves Megatron alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from packaging.version import Version
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "deepepv2"
+MIN_MEGATRON = Version("0.17.0")
+MAX_MEGATRON_EXCLUSIVE = Version("0.20.0")
+SUPPORTED_RANGE = f">={MIN_MEGATRON.base_version},<{MAX_MEGATRON_EXCLUSIVE.base_version}"
+
+
+@dataclass
+class InstallReport:
+    """What :func:`install` did.
+
+    Attributes:
+        megatron_version: The installed megatron-core version.
+        native: Megatron already supports deepepv2; nothing was patched.
+        patches: Names of the patches applied.
+    """
+
+    megatron_version: str
+    native: bool = False
+    patches: list[str] = field(default_factory=list)
+
+
+_report: Optional[InstallReport] = None
+_install_lock = threading.Lock()
+_callables_lock = threading.Lock()
+
+
+def megatron_version() -> Version:
+    """Returns the installed megatron-core version."""
+    from megatron.core import package_info  # noqa: PLC0415
+
+    return Version(package_info.__version__)
+
+
+def _config_class():
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    return TransformerConfig
+
+
+def supports_deepepv2_natively() -> bool:
+    """Whether the installed megatron-core ships a deepepv2 backend of its own."""
+    if _report is not None:  # after install() the Literal holds our own addition
+        return _report.native
+    from megatron.core.transformer.moe import token_dispatcher  # noqa: PLC0415
+
+    if hasattr(token_dispatcher, "_DeepepV2Manager"):
+        return True
+    backend_type = _config_class().__dataclass_fields__["moe_flex_dispatcher_backend"].type
+    return BACKEND_NAME in typing.get_args(backend_type)
+
+
+def is_deepepv2(config: Any) -> bool:
+    """Whether ``config`` selects the flex dispatcher with the deepepv2 backend."""
+    return (
+        getattr(config, "moe_token_dispatcher_type", None) == "flex"
+        and getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME
+    )
+
+
+class _AsDeepEP:
+    """Read-only view of a config that reports backend ``deepep``: Megatron's deepep branches then apply."""
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "moe_flex_dispatcher_backend":
+            return "deepep"
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Individual patches
+# ----------------------------------------------------------------------------------------------
+def _widen_backend_literal() -> None:
+    base = _config_class()
+    for cls in [base, *_all_subclasses(base)]:
+        f = cls.__dataclass_fields__.get("moe_flex_dispatcher_backend")
+        if f is None or BACKEND_NAME in typing.get_args(f.type):
+            continue
+        widened = typing.Literal[(*typing.get_args(f.type), BACKEND_NAME)]
+        f.type = widened
+        cls.__annotations__["moe_flex_dispatcher_backend"] = widened
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+def validate_config(config: Any) -> None:
+    """Checks a ``TransformerConfig`` that selects deepepv2 (run around Megatron's own checks).
+
+    Raises:
+        ValueError: For a combination deepepv2 does not support, saying what to change.
+    """
+    if getattr(config, "moe_flex_dispatcher_backend", None) != BACKEND_NAME:
+        return
+    if getattr(config, "moe_enable_deepep", False):
+        raise ValueError(
+            "moe_enable_deepep=True selects the DeepEP v1 backend but moe_flex_dispatcher_backend='deepepv2' "
+            "was also given. Drop --moe-enable-deepep (deprecated) and keep --moe-flex-dispatcher-backend deepepv2."
+        )
+    if config.num_moe_experts is None:
+        return
+    if config.moe_token_dispatcher_type != "flex":
+        raise ValueError(
+            f"moe_flex_dispatcher_backend='deepepv2' requires moe_token_dispatcher_type='flex' (got "
+            f"{config.moe_token_dispatcher_type!r}); pass --moe-token-dispatcher-type flex."
+        )
+    if config.moe_pad_expert_input_to_capacity:
+        raise ValueError(
+            "Flex token dispatcher with the deepepv2 backend does not support moe_pad_expert_input_to_capacity; "
+            "drop --moe-pad-expert-input-to-capacity (capacity dropping with --moe-expert-capacity-factor works)."
+        )
+    expert_tp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if expert_tp * config.expert_model_parallel_size <= 1:
+        raise ValueError(
+            "The deepepv2 dispatcher communicates over the expert-TP x EP group, which has a single rank here "
+            "(expert_tensor_parallel_size * expert_model_parallel_size == 1). Use --expert-model-parallel-size > 1 "
+            "or the alltoall dispatcher."
+        )
+
+
+def _patch_config_validation() -> None:
+    cls = _config_class()
+    original = cls.__post_init__
+    if getattr(original, "_deepepv2_plugin", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self) -> None:
+        if getattr(self, "moe_flex_dispatcher_backend", None) == BACKEND_NAME and getattr(self, "moe_enable_deepep", False):
+            validate_config(self)  # before Megatron rewrites the backend to "deepep"
+        original(self)
+        validate_config(self)
+
+    __post_init__._deepepv2_plugin = True  # type: ignore[attr-defined]
+    __post_init__._deepepv2_original = original  # type: ignore[attr-defined]
+    cls.__post_init__ = __post_init__
+
+
+def _make_dispatcher_class():
+    from megatron.core.transformer.moe.token_dispatcher import (  # noqa: PLC0415
+        MoEFlexTokenDispatcher,
+        MoETokenDispatcher,
+    )
+
+    from megatron_deepepv2.manager import _DeepepV2Manager  # noqa: PLC0415
+
+    class DeepepV2FlexTokenDispatcher(MoEFlexTokenDispatcher):
+        """Megatron's flex dispatcher with the ``deepepv2`` backend added; other backends unchanged."""
+
+        def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None) -> None:
+            if config.moe_flex_dispatcher_backend != BACKEND_NAME:
+                super().__init__(num_local_experts, local_expert_indices, config, pg_collection=pg_collection)
+                return
+            MoETokenDispatcher.__init__(self, config=config, pg_collection=pg_collection)
+            self.num_local_experts = num_local_experts
+            self.local_expert_indices = local_expert_indices
+            if self.tp_size * self.ep_size <= 1:
+                raise ValueError("The deepepv2 dispatcher requires TPxEP > 1 (expert-parallel communication).")
+            self._comm_manager = _DeepepV2Manager(
+                group=self.tp_ep_group,
+                num_local_experts=self.num_local_experts,
+                router_topk=self.tp_size * self.config.moe_router_topk,
+                num_experts=self.tp_size * self.config.num_moe_experts,
+                config=self.config,
+            )
+            self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.token_indices"]
+
+    return DeepepV2FlexTokenDispatcher
+
+
+def _install_dispatcher() -> None:
+    from megatron.core.transformer.moe import moe_layer  # noqa: PLC0415
+
+    if getattr(moe_layer.MoEFlexTokenDispatcher, "_deepepv2_plugin", False):
+        return
+    dispatcher = _make_dispatcher_class()
+    dispatcher._deepepv2_plugin = True
+    dispatcher._deepepv2_original = moe_layer.MoEFlexTokenDispatcher
+    moe_layer.MoEFlexTokenDispatcher = dispatcher
+
+
+def _replace_function(module_names: list[str], name: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
+    """Wraps function ``name`` in every listed module that defines or imported it; returns whether any did."""
+    wrapped_any = False
+    for module_name in module_names:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_deepepv2_plugin", False):
+            wrapped_any = wrapped_any or original is not None
+            continue
+        wrapper = functools.wraps(original)(make_wrapper(original))
+        wrapper._deepepv2_plugin = True
+        wrapper._deepepv2_original = original
+        setattr(module, name, wrapper)
+        wrapped_any = True
+    return wrapped_any
+
+
+def _wrap_should_free_input(original: Callable) -> Callable:
+    def should_free_input(name, is_moe, config, num_local_experts):
+        return original(name, is_moe, _AsDeepEP(config) if is_deepepv2(config) else config, num_local_experts)
+
+    return should_free_input
+
+
+def _wrap_build_callables(original: Callable) -> Callable:
+    def build_transformer_layer_callables(layer, *args, **kwargs):
+        config = layer.config
+        if not is_deepepv2(config):
+            return original(layer, *args, **kwargs)
+        # The builder reads the backend string once, at its start; it sees "deepep" only while building.
+        with _callables_lock:
+            config.moe_flex_dispatcher_backend = "deepep"
+            try:
+                return original(layer, *args, **kwargs)
+            finally:
+                config.moe_flex_dispatcher_backend = BACKEND_NAME
+
+    return build_transformer_layer_callables
+
+
+def _wrap_skip_padding(original: Callable) -> Callable:
+    from megatron_deepepv2.manager import dispatcher_pads_for_experts  # noqa: PLC0415
+
+    def skip_routed_expert_padding(config):
+        if is_deepepv2(config) and dispatcher_pads_for_experts(config):
+            return True
+        return original(config)
+
+    return skip_routed_expert_padding
+
+
+# ----------------------------------------------------------------------------------------------
+def install() -> InstallReport:
+    """Teaches the installed megatron-core the ``deepepv2`` flex-dispatcher backend.
+
+    Idempotent and thread-safe; call it before Megatron parses arguments or builds models.
+
+    Returns:
+        What was done.
+
+    Raises:
+        RuntimeError: If the installed megatron-core is outside the supported range.
+    """
+    global _report
+    with _install_lock:
+        if _report is not None:
+            return _report
+        version = megatron_version()
+        if not MIN_MEGATRON <= version < MAX_MEGATRON_EXCLUSIVE:
+            raise RuntimeError(
+                f"megatron-deepepv2 supports megatron-core {SUPPORTED_RANGE}; megatron-core {version} is "
+                f"installed. Install a supported release (pip install 'megatron-core{SUPPORTED_RANGE}')."
+            )
+        report = InstallReport(megatron_version=str(version))
+        if supports_deepepv2_natively():
+            logger.info(
+                "megatron-core %s supports --moe-flex-dispatcher-backend deepepv2 natively; "
+                "megatron-deepepv2 leaves Megatron unpatched.", version,
+            )
+            report.native = True
+            _report = report
+            return report
+
+        _widen_backend_literal()
+        report.patches.append("TransformerConfig.moe_flex_dispatcher_backend accepts 'deepepv2'")
+        _patch_config_validation()
+        report.patches.append("TransformerConfig.__post_init__ validates deepepv2")
+        _install_dispatcher()
+        report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
+        if _replace_function(
+            ["megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"],
+            "should_free_input",
+            _wrap_should_free_input,
+        ):
+            report.patches.append("should_free_input treats deepepv2 like deepep")
+        if _replace_function(
+            ["megatron.core.models.gpt.fine_grained_callables", "megatron.core.models.common.fine_grained_callables"],
+            "build_transformer_layer_callables",
+            _wrap_build_callables,
+        ):
+            report.patches.append("build_transformer_layer_callables treats deepepv2 like deepep")
+        if _replace_function(
+            ["megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.experts"],
+            "skip_routed_expert_padding",
+            _wrap_skip_padding,
+        ):
+            report.patches.append("skip_routed_expert_padding: no second padding after deepepv2")
+        logger.info("megatron-deepepv2 installed into megatron-core %s: %s", version, "; ".join(report.patches))
+        _report = report
+        return report
+
+
+def installed() -> Optional[InstallReport]:
+    """The report of the :func:`install` that ran in this process, or None."""
+    return _report

@@ -1,0 +1,192 @@
+"""``_DeepepV2Manager``: Megatron's ``_DispatchManager`` contract on top of :mod:`megatron_deepepv2.ops`.
+
+Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` -> ``dispatch`` ->
+``get_permuted_hidden_states_by_experts`` -> experts -> ``get_restored_hidden_states_by_experts`` ->
+``combine``). This manager implements them for both receive layouts:
+
+* ``expand`` (default): DeepEP's per-expert layout, each expert block padded to
+  ``get_align_size_for_quantization(config)`` (1 when 0) with zero rows and zero probs. Permute and
+  unpermute are identities and tokens per expert come from the dispatch handle. The experts must not pad
+  again: :mod:`megatron_deepepv2.integration` makes ``skip_routed_expert_padding`` say so.
+* ``compact``: one row per (token, rank), then Megatron's own permute/unpermute (inherited from
+  ``_DeepepManager``) with its align size.
+
+Choose with ``MEGATRON_DEEPEPV2_LAYOUT`` or ``megatron_deepepv2.configure(layout=...)``.
+
+Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and are not sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+
+from megatron_deepepv2 import ops
+from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, resolve_backend
+from megatron_deepepv2.config import get_settings
+
+logger = logging.getLogger(__name__)
+
+_warned_low_precision_probs = False
+
+
+def alignment_for(config) -> int:
+    """Row alignment the experts need (grouped-GEMM / quantization), 1 when none."""
+    return max(int(moe_utils.get_align_size_for_quantization(config)), 1)
+
+
+def permute_pads(config) -> bool:
+    """Whether Megatron's permute pads per-expert blocks itself (TE fused permute-and-pad with an align size)."""
+    return bool(
+        config.moe_permute_fusion
+        and getattr(moe_utils, "fused_permute_and_pad_with_probs", None) is not None
+        and moe_utils.get_align_size_for_quantization(config) > 0
+    )
+
+
+def dispatcher_pads_for_experts(config, layout: Optional[ExpertLayout] = None) -> bool:
+    """Whether the deepepv2 path hands experts already-padded blocks (so experts must not pad again).
+
+    Args:
+        config: Megatron ``TransformerConfig``.
+        layout: Layout in use (default: the ``layout`` setting).
+
+    Returns:
+        True for the expand layout (DeepEP's ``expert_alignment``), and for the compact layout when
+        Megatron's fused permute pads.
+    """
+    layout = get_settings().layout if layout is None else layout
+    return layout is ExpertLayout.EXPAND or permute_pads(config)
+
+
+class _DeepepV2Manager(_DeepepManager):
+    """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``.
+
+    Subclasses ``_DeepepManager`` for its routing helpers (``setup_metadata``, multihot conversion,
+    router padding, compact permute/unpermute) without calling its ``__init__``, which requires DeepEP v1.
+
+    Args:
+        group: The TPxEP process group of the flex dispatcher.
+        num_local_experts: Experts on this rank.
+        router_topk: Top-k over the TPxEP group (``tp * moe_router_topk``).
+        num_experts: Experts over the TPxEP group (``tp * num_moe_experts``).
+        config: Megatron ``TransformerConfig``.
+
+    Raises:
+        ImportError: If the configured backend was named explicitly and cannot run.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_local_experts: int,
+        router_topk: int,
+        num_experts: int,
+        config,
+    ) -> None:
+        settings = get_settings()
+        self.group = group
+        self.num_local_experts = num_local_experts
+        self.config = config
+        self.router_topk = router_topk
+        self.num_experts = num_experts
+        self.router_dtype = config.moe_router_dtype
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.permute_fusion = config.moe_permute_fusion
+        self.layout = settings.layout
+        self.backend_name = resolve_backend(settings.backend).name  # fails early for an explicit backend
+        self.expert_alignment = alignment_for(config) if self.layout is ExpertLayout.EXPAND else 1
+        self.num_sms = config.moe_flex_dispatcher_num_sms or settings.num_sms or 0
+
+        self.token_indices: Optional[torch.Tensor] = None
+        self.token_probs: Optional[torch.Tensor] = None
+        self.handle: Optional[DispatchHandle] = None
+        self.dispatched_indices: Optional[torch.Tensor] = None
+        self.dispatched_probs: Optional[torch.Tensor] = None
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+
+    def dispatch(
+        self,
+        hidden_states: torch.Tensor,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> torch.Tensor:
+        """Sends tokens to their experts' ranks; keeps routing for the later stages.
+
+        Args:
+            hidden_states: ``[T, H]`` tokens.
+            async_finish: Asynchronous communication (Megatron passes True).
+            allocate_on_comm_stream: Allocate on the communication stream (Megatron passes True).
+
+        Returns:
+            Received rows in the configured layout.
+        """
+        global _warned_low_precision_probs
+        if self.token_probs.dtype != torch.float32:
+            if self.token_probs.dtype in (torch.bfloat16, torch.float16) and not _warned_low_precision_probs:
+                logger.warning("deepepv2 dispatches fp32 probs; set --moe-router-dtype fp32 to avoid a cast.")
+                _warned_low_precision_probs = True
+            self.token_probs = self.token_probs.float()
+        result = ops.dispatch(
+            hidden_states,
+            self.token_indices,
+            self.token_probs,
+            self.num_experts,
+            group=self.group,
+            layout=self.layout,
+            expert_alignment=self.expert_alignment,
+            zero_padding=self.layout is ExpertLayout.EXPAND,
+            backend=self.backend_name,
+            num_sms=self.num_sms,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+        self.handle = result.handle
+        self.dispatched_indices = result.recv_topk_idx
+        self.dispatched_probs = result.recv_topk_weights
+        # Host counts (already on the host: the dispatch synchronised to size its outputs).
+        self.tokens_per_expert = torch.tensor(result.handle.tokens_per_expert_list, dtype=torch.int64)
+        return result.recv_x
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
+        """Returns ``(rows grouped by local expert, their probs)``.
+
+        Expand: the dispatch output already is that layout (padding rows and probs are zero).
+        Compact: Megatron's permute, as the v1 DeepEP manager does.
+        """
+        if self.layout is ExpertLayout.COMPACT:
+            return super().get_permuted_hidden_states_by_experts(hidden_states)
+        probs = self.dispatched_probs
+        if self.router_dtype == "fp64":
+            probs = probs.to(torch.float64)
+        return hidden_states, probs
+
+    def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`get_permuted_hidden_states_by_experts` (identity for expand)."""
+        if self.layout is ExpertLayout.COMPACT:
+            return super().get_restored_hidden_states_by_experts(hidden_states)
+        return hidden_states
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        """Rows per local expert (alignment-padded for expand), an int64 CPU tensor."""
+        return self.tokens_per_expert
+
+    def combine(
+        self,
+        hidden_states: torch.Tensor,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> torch.Tensor:
+        """Sums every token's expert outputs back on its rank and releases the routing state."""
+        combined = ops.combine(
+            hidden_states, self.handle, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream
+        )
+        self.handle = None
+        self.dispatched_indices = None
+        self.dispatched_probs = None
+        return combined

@@ -1,0 +1,104 @@
+"""CPU shims that let Megatron-Core's MoELayer run on CPU processes over gloo (demo and tests only).
+
+Megatron-Core calls a few CUDA-only APIs unconditionally on the MoE path (streams and events, tensors
+created on ``torch.cuda.current_device()``, device-to-host split conversion). On a machine without CUDA,
+:func:`install_cpu_shims` replaces exactly those with CPU equivalents:
+
+* ``torch.cuda.current_device()`` returns ``"cpu"`` (tensors Megatron creates "on the GPU" land on the CPU);
+* ``torch.cuda.Stream`` / ``Event`` / ``stream()`` / ``current_stream()`` become no-op stand-ins
+  (everything on CPU is already ordered);
+* ``moe_utils.maybe_move_tensor_to_cpu`` also converts CPU split tensors to numpy, as it does for CUDA
+  tensors, because ``all_to_all_single`` takes split sizes as lists, not tensors;
+* ``torch.compile`` of Megatron's ``@jit_fuser`` functions is disabled (no inductor C++ build per test).
+
+With CUDA available it does nothing. It is never used on the library path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_installed = False
+
+
+class _NoopStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NoopEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _NoopStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _NoopEvent:
+    """Stand-in for ``torch.cuda.Event`` on CPU."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _NoopStream()
+
+
+def install_cpu_shims() -> None:
+    """Applies the shims when CUDA is not available (idempotent). Call before importing Megatron modules."""
+    global _installed
+    if _installed or torch.cuda.is_available():
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import torch._dynamo as dynamo  # noqa: PLC0415
+
+    dynamo.config.disable = True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _NoopStream
+    torch.cuda.Event = _NoopEvent
+    torch.cuda.current_stream = lambda device=None: _CURRENT_STREAM
+    torch.cuda.default_stream = lambda device=None: _CURRENT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher  # noqa: PLC0415
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _installed = True

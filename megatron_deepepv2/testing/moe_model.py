@@ -1,0 +1,111 @@
+"""Small Megatron-Core MoE layers for the demo and the tests (built from megatron-core's own MoELayer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TinyMoEConfig:
+    """Shape of a small MoE layer.
+
+    Attributes:
+        hidden: Hidden size.
+        ffn: Expert FFN hidden size.
+        num_experts: Global number of experts.
+        topk: Experts per token.
+        capacity_factor: Megatron's ``moe_expert_capacity_factor`` (None = dropless).
+        params_dtype: Parameter and activation dtype.
+        extra: Further ``TransformerConfig`` fields.
+    """
+
+    hidden: int = 64
+    ffn: int = 64
+    num_experts: int = 8
+    topk: int = 2
+    capacity_factor: Optional[float] = None
+    params_dtype: torch.dtype = torch.float32
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def init_expert_parallel(expert_parallel_size: Optional[int] = None) -> None:
+    """Initialises Megatron's model-parallel state on the default process group (TP=PP=1, EP = world)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=expert_parallel_size or dist.get_world_size(),
+    )
+
+
+def transformer_config(shape: TinyMoEConfig, dispatcher: str):
+    """Builds the ``TransformerConfig`` of a one-layer MoE.
+
+    Args:
+        shape: Layer shape.
+        dispatcher: ``"alltoall"``, ``"allgather"`` or a flex backend name such as ``"deepepv2"``.
+
+    Returns:
+        The config.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    flex = dispatcher not in ("alltoall", "allgather")
+    fields = dict(
+        num_layers=1,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        moe_ffn_hidden_size=shape.ffn,
+        num_attention_heads=4,
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.topk,
+        moe_token_dispatcher_type="flex" if flex else dispatcher,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_expert_capacity_factor=shape.capacity_factor,
+        moe_permute_fusion=False,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=dist.get_world_size(),
+        use_cpu_initialization=True,
+        params_dtype=shape.params_dtype,
+        bf16=shape.params_dtype == torch.bfloat16,
+        add_bias_linear=False,
+        gradient_accumulation_fusion=False,
+    )
+    if flex:
+        fields["moe_flex_dispatcher_backend"] = dispatcher
+    fields.update(shape.extra)
+    return TransformerConfig(**fields)
+
+
+def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234):
+    """Builds a megatron-core ``MoELayer`` with SequentialMLP experts (no Transformer Engine needed).
+
+    Args:
+        shape: Layer shape.
+        dispatcher: See :func:`transformer_config`.
+        seed: Parameter-initialisation seed (identical across dispatchers and ranks).
+
+    Returns:
+        The layer, on CUDA when available else on the CPU.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: PLC0415
+
+    init_expert_parallel()
+    config = transformer_config(shape, dispatcher)
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    submodules = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
+    torch.manual_seed(seed)
+    layer = MoELayer(config=config, submodules=submodules)
+    return layer.cuda() if torch.cuda.is_available() else layer
