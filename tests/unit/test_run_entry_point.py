@@ -1,0 +1,48 @@
+"""``python -m megatron_deepepv2.run`` installs the plugin and runs a script unchanged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(ignore_unknown_args=True)
+    assert getattr(moe_layer.MoEFlexTokenDispatcher, "_deepepv2_plugin", False)
+    print("backend", args.moe_flex_dispatcher_backend, "argv", sys.argv[1:3])
+    """
+)
+
+
+def test_run_installs_plugin_and_passes_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1",
+            "--num-experts", "8", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepepv2"]
+    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.run", str(script), *args],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend deepepv2 argv ['--num-layers', '1']" in done.stdout
+
+
+def test_without_the_plugin_megatron_rejects_deepepv2(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    args = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--moe-flex-dispatcher-backend", "deepepv2"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "invalid choice: 'deepepv2'" in done.stderr
+
+
+def test_usage_errors() -> None:
+    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.run", "/no/such/script.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.run"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "usage:" in done.stderr
