@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(PY) -m megatron_deepepv2.demo $(DEMO_ARGS)
 
 test: $(STAMP)
+	$(PY) tools/check_kernel_determinism_coverage.py --all
 	$(PY) -m pytest -n auto -q $(PYTEST_ARGS)
 
 clean:

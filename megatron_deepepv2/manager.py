@@ -18,8 +18,9 @@ Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,25 @@ def dispatcher_pads_for_experts(config, layout: Optional[ExpertLayout] = None) -
     """
     layout = get_settings().layout if layout is None else layout
     return layout is ExpertLayout.EXPAND or permute_pads(config)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Enables torch's deterministic algorithms for the block, without filling uninitialised memory.
+
+    ``fill_uninitialized_memory`` stays off because DeepEP rejects it (and it is not needed for
+    reproducibility of results that never read uninitialised memory). Both settings are restored.
+    """
+    was_enabled = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
 class _DeepepV2Manager(_DeepepManager):
@@ -167,10 +187,17 @@ class _DeepepV2Manager(_DeepepManager):
         return hidden_states, probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`get_permuted_hidden_states_by_experts` (identity for expand)."""
-        if self.layout is ExpertLayout.COMPACT:
+        """Inverse of :meth:`get_permuted_hidden_states_by_experts` (identity for expand).
+
+        In deterministic mode the compact unpermute runs under torch's deterministic algorithms, so
+        Megatron's unfused unpermute reduces with ``index_add_`` rather than ``scatter_add_``.
+        """
+        if self.layout is ExpertLayout.EXPAND:
+            return hidden_states
+        if not get_settings().deterministic:
             return super().get_restored_hidden_states_by_experts(hidden_states)
-        return hidden_states
+        with deterministic_algorithms():
+            return super().get_restored_hidden_states_by_experts(hidden_states)
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
         """Rows per local expert (alignment-padded for expand), an int64 CPU tensor."""

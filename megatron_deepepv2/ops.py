@@ -226,6 +226,7 @@ def dispatch(
         num_max_tokens_per_rank=num_max_tokens_per_rank,
         check_values=settings.validate,
     )
+    problem = problem or backend_cls.preflight()
     num_tokens = topk_idx.shape[0] if problem is None else 0
     max_tokens = validation.raise_on_every_rank(problem, group, agree=settings.validate, num_tokens=num_tokens)
 
@@ -283,6 +284,6 @@ def combine(
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
-    problem = validation.check_combine_inputs(x, handle, None)
+    problem = validation.check_combine_inputs(x, handle, None) or handle.backend.preflight()
     validation.raise_on_every_rank(problem, handle.backend.group, agree=get_settings().validate)
     return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)

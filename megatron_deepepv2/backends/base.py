@@ -238,6 +238,15 @@ class DispatchBackend(ABC):
         """
         return None
 
+    @classmethod
+    def preflight(cls) -> Optional[Exception]:
+        """Process-state problems that would make this backend fail mid-communication, checked first.
+
+        Returns:
+            An exception describing the problem and its fix, or None.
+        """
+        return None
+
     @abstractmethod
     def dispatch(
         self,

@@ -178,6 +178,19 @@ class DeepEPBackend(DispatchBackend):
             return str(error)
         return None
 
+    @classmethod
+    def preflight(cls) -> Optional[Exception]:
+        # DeepEP asserts (bare AssertionError, at every dispatch/combine) that torch deterministic algorithms
+        # and fill_uninitialized_memory are not both on; the latter defaults to True.
+        if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+            return RuntimeError(
+                "torch.use_deterministic_algorithms(True) is on with torch.utils.deterministic."
+                "fill_uninitialized_memory=True (its default), which DeepEP rejects at every dispatch. Set "
+                "torch.utils.deterministic.fill_uninitialized_memory = False; for a bit-exact deepepv2 path "
+                "use MEGATRON_DEEPEPV2_DETERMINISTIC=1."
+            )
+        return None
+
     # ------------------------------------------------------------------------------------------
     def _wrap(self, layout: ExpertLayout, native_handle: Any, num_tokens: int, num_topk: int,
               num_experts: int, expert_alignment: int, zero_padding: bool, num_recv_rows: int,

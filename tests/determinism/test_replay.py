@@ -1,0 +1,160 @@
+"""Bit-exact replays of the deepepv2 path: dispatcher ops and a MoELayer with deepepv2, forward and backward.
+
+These are the CPU cases (reference backend over gloo) and run in CI. The ElasticBuffer cases (deterministic
+mode on and off, side-stream contention) need 2 GPUs with DeepEP v2 and are not written yet.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.determinism.harness import ReplayMismatch, assert_replays_bit_exact, count_differing_replays
+from tests.distributed import run_distributed
+from tests.oracle import experts_on_compact, experts_on_expand, make_problem
+
+
+def _ops_run(rank: int, world: int, layout: str, dtype: torch.dtype):
+    import megatron_deepepv2 as dv2
+
+    problem = make_problem(21, [13, 0, 9, 4][:world], 32, 8, 3, dtype=dtype)
+    rows = problem.rows(rank)
+    local = problem.num_experts // world
+
+    def run() -> dict[str, torch.Tensor]:
+        x = problem.x[rows].clone().requires_grad_()
+        w = problem.topk_weights[rows].clone().requires_grad_()
+        experts = problem.expert_weights[rank * local:(rank + 1) * local].clone().requires_grad_()
+        out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout=layout, expert_alignment=4,
+                           zero_padding=layout == "expand")
+        if layout == "expand":
+            y = experts_on_expand(out.recv_x, out.recv_topk_weights, out.handle.tokens_per_expert_list, experts)
+        else:
+            y = experts_on_compact(out.recv_x, out.recv_topk_idx, out.recv_topk_weights, experts)
+        combined = dv2.combine(y, out.handle)
+        (combined * problem.grad_out[rows]).sum().backward()
+        return {"recv_x": out.recv_x, "output": combined, "grad_x": x.grad, "grad_probs": w.grad,
+                "grad_experts": experts.grad}
+
+    return run
+
+
+def _ops_replays(rank: int, world: int, layout: str) -> None:
+    assert_replays_bit_exact(_ops_run(rank, world, layout, torch.bfloat16), replays=3)
+
+
+@pytest.mark.parametrize("layout", ["compact", "expand"])
+def test_dispatcher_ops_replay_bit_exact(layout: str) -> None:
+    run_distributed(_ops_replays, 4, layout)
+
+
+def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> None:
+    from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()
+    import megatron_deepepv2 as dv2
+
+    dv2.install()
+    dv2.configure(layout=layout)
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    shape = TinyMoEConfig(hidden=32, ffn=32, num_experts=8, topk=2, capacity_factor=capacity_factor,
+                          params_dtype=torch.bfloat16)
+    layer = build_moe_layer(shape, "deepepv2")
+    initial = [p.detach().clone() for p in layer.parameters()]
+    x0 = torch.randn(24, 1, shape.hidden, generator=torch.Generator().manual_seed(rank), dtype=torch.bfloat16)
+    manager = layer.token_dispatcher._comm_manager
+    original_dispatch = manager.dispatch
+    probs_grad = {}
+
+    def dispatch(hidden, *args):
+        if manager.token_probs.requires_grad:
+            manager.token_probs.register_hook(lambda g: probs_grad.__setitem__("probs", g.detach().clone()))
+        return original_dispatch(hidden, *args)
+
+    manager.dispatch = dispatch
+
+    def run() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for param, value in zip(layer.parameters(), initial):
+                param.copy_(value)
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y, _ = layer(x)
+        y.float().pow(2).sum().backward()
+        grads = {f"grad_{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        return {"output": y, "grad_input": x.grad, "grad_probs": probs_grad["probs"], **grads}
+
+    result = assert_replays_bit_exact(run, replays=3)
+    assert len(result) >= 5
+
+
+@pytest.mark.parametrize("layout,capacity_factor", [("expand", None), ("compact", None), ("expand", 0.5)])
+def test_moe_layer_with_deepepv2_replays_bit_exact(layout: str, capacity_factor) -> None:
+    run_distributed(_moe_layer_replays, 2, layout, capacity_factor, timeout=180)
+
+
+def test_negative_control_catches_nondeterminism() -> None:
+    """A reduction whose order comes from outside the RNG state must be reported."""
+    values = torch.randn(4096, dtype=torch.float32) * torch.logspace(-8, 8, 4096)
+
+    def unordered_sum() -> dict[str, torch.Tensor]:
+        order = torch.from_numpy(__import__("numpy").random.default_rng(int.from_bytes(os.urandom(4))).permutation(4096))
+        total = torch.zeros(())
+        for chunk in values[order].split(64):
+            total = total + chunk.sum()
+        return {"total": total}
+
+    assert count_differing_replays(unordered_sum, replays=4) >= 1
+    with pytest.raises(ReplayMismatch, match="total differs in 1 element"):
+        for _ in range(5):  # the odds that 5 shuffled sums all agree bitwise are negligible
+            assert_replays_bit_exact(unordered_sum, replays=3)
+
+
+def test_harness_compares_dtype_shape_and_signed_zero() -> None:
+    from tests.determinism.harness import bytes_equal
+
+    assert not bytes_equal(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    assert not bytes_equal(torch.zeros(2), torch.zeros(1, 2))
+    assert not bytes_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert bytes_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+
+
+def test_deepep_preflight_rejects_fill_uninitialized_memory() -> None:
+    from megatron_deepepv2.backends import DeepEPBackend
+
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        problem = DeepEPBackend.preflight()
+        assert isinstance(problem, RuntimeError) and "fill_uninitialized_memory = False" in str(problem)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        assert DeepEPBackend.preflight() is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+
+
+def test_deterministic_algorithms_context_restores_settings() -> None:
+    from megatron_deepepv2.manager import deterministic_algorithms
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory is True
+
+
+def _compact_deterministic_mode(rank: int, world: int) -> None:
+    import megatron_deepepv2 as dv2
+
+    dv2.configure(deterministic=True)
+    _moe_layer_replays(rank, world, "compact", None)
+
+
+def test_compact_layout_in_deterministic_mode_replays_bit_exact() -> None:
+    run_distributed(_compact_deterministic_mode, 2, timeout=180)

@@ -1,0 +1,125 @@
+"""The determinism coverage gate, run against throwaway git repositories made here."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "check_kernel_determinism_coverage.py"
+
+MANIFEST = textwrap.dedent(
+    '''
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("real_manifest", {real!r})
+    real = importlib.util.module_from_spec(spec); sys.modules[spec.name] = real; spec.loader.exec_module(real)
+    KernelEntry, EXEMPT_LABEL = real.KernelEntry, real.EXEMPT_LABEL
+    kernel_patterns_in, is_scanned = real.kernel_patterns_in, real.is_scanned
+    KERNELS = (
+        KernelEntry(name="ops", sources=("megatron_deepepv2/ops.py",), tests=("tests/determinism/test_ops.py",)),
+        KernelEntry(name="util", sources=("megatron_deepepv2/util.py",), exempt_reason="sizes only"),
+    )
+    def entries_for(path):
+        return [e for e in KERNELS if path in e.sources]
+    '''
+)
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / "megatron_deepepv2").mkdir()
+    (tmp_path / "tests/determinism").mkdir(parents=True)
+    (tmp_path / "manifest.py").write_text(MANIFEST.format(real=str(ROOT / "manifest.py")))
+    (tmp_path / "megatron_deepepv2/ops.py").write_text("import torch\nclass F(torch.autograd.Function):\n    pass\n")
+    (tmp_path / "megatron_deepepv2/util.py").write_text("x = 1\n")
+    (tmp_path / "megatron_deepepv2/plain.py").write_text('"""dist.all_reduce( in a docstring"""\n# buffer.dispatch(\n')
+    (tmp_path / "tests/determinism/test_ops.py").write_text("def test_ops():\n    pass\n")
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    _git(tmp_path, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "base")
+    _git(tmp_path, "checkout", "-q", "-b", "change")
+    return tmp_path
+
+
+def _commit(repo: Path) -> None:
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "change")
+
+
+def _gate(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), "--root", str(repo), *args], capture_output=True, text=True)
+
+
+def test_source_change_without_test_change_fails(repo: Path) -> None:
+    (repo / "megatron_deepepv2/ops.py").write_text((repo / "megatron_deepepv2/ops.py").read_text() + "# edit\n")
+    _commit(repo)
+    done = _gate(repo, "--base-ref", "main")
+    assert done.returncode == 1, done.stdout
+    assert "megatron_deepepv2/ops.py changed (manifest entry 'ops') but none of its determinism tests did" in done.stdout
+
+
+def test_source_change_with_test_change_passes(repo: Path) -> None:
+    (repo / "megatron_deepepv2/ops.py").write_text((repo / "megatron_deepepv2/ops.py").read_text() + "# edit\n")
+    (repo / "tests/determinism/test_ops.py").write_text("def test_ops():\n    assert True is True\n")
+    _commit(repo)
+    done = _gate(repo, "--base-ref", "main")
+    assert done.returncode == 0, done.stdout
+
+
+def test_exempt_label_downgrades_to_warning(repo: Path) -> None:
+    (repo / "megatron_deepepv2/ops.py").write_text((repo / "megatron_deepepv2/ops.py").read_text() + "# edit\n")
+    _commit(repo)
+    done = _gate(repo, "--base-ref", "main", "--labels", "determinism-exempt")
+    assert done.returncode == 0 and "warning:" in done.stdout and "allowed by label" in done.stdout
+
+
+def test_unregistered_kernel_bearing_file_fails_even_with_label(repo: Path) -> None:
+    (repo / "megatron_deepepv2/new_comm.py").write_text("import torch.distributed as dist\ndist.all_to_all_single(a, b)\n")
+    _commit(repo)
+    done = _gate(repo, "--base-ref", "main", "--labels", "determinism-exempt")
+    assert done.returncode == 1
+    assert "megatron_deepepv2/new_comm.py is kernel-bearing (collective) but not registered" in done.stdout
+
+
+def test_patterns_ignore_comments_and_strings(repo: Path) -> None:
+    done = _gate(repo, "--files", "megatron_deepepv2/plain.py", "megatron_deepepv2/util.py")
+    assert done.returncode == 0, done.stdout
+
+
+def test_entry_without_tests_or_exemption_fails(repo: Path) -> None:
+    manifest = repo / "manifest.py"
+    manifest.write_text(manifest.read_text().replace('exempt_reason="sizes only"', "tests=()"))
+    done = _gate(repo, "--files", "megatron_deepepv2/util.py")
+    assert done.returncode == 1 and "must have determinism tests or an exempt reason" in done.stdout
+
+
+def test_usage_errors_exit_2(repo: Path) -> None:
+    assert _gate(repo).returncode == 2
+    assert _gate(repo, "--base-ref", "no-such-ref").returncode == 2
+
+
+def test_whole_project_is_covered() -> None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs the project's git checkout")
+    done = subprocess.run([sys.executable, str(TOOL), "--all"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout
+
+
+def test_real_detector_sees_our_kernel_files() -> None:
+    sys.path.insert(0, str(ROOT))
+    import manifest
+
+    for path in ("megatron_deepepv2/ops.py", "megatron_deepepv2/backends/reference.py", "megatron_deepepv2/backends/deepep.py"):
+        assert manifest.kernel_patterns_in((ROOT / path).read_text()), path
+        assert manifest.entries_for(path), path
+    # A method named dispatch on some other object is not a buffer call.
+    assert manifest.kernel_patterns_in("router.dispatch(x)\nqueue.combine(y)\n") == []
