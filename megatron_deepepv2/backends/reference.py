@@ -125,6 +125,13 @@ def _append_zero_row(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((1, *tensor.shape[1:]))], dim=0)
 
 
+def _local_expert_counts(local_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """Selections per local expert; entries outside ``[0, num_local_experts)`` (-1, sentinels) are ignored."""
+    valid = (local_idx >= 0) & (local_idx < num_local_experts)
+    bins = torch.where(valid, local_idx, num_local_experts)
+    return torch.bincount(bins, minlength=num_local_experts + 1)[:num_local_experts]
+
+
 def _align_up(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     return (counts + alignment - 1) // alignment * alignment
 
@@ -195,7 +202,7 @@ class ReferenceBackend(DispatchBackend):
         flat_expert = torch.where(recv_idx >= 0, recv_idx, num_local_experts).flatten()
         # Stable sort by expert keeps received-row order (= global source order) inside each expert.
         order = torch.sort(flat_expert, stable=True).indices
-        counts = torch.bincount(flat_expert, minlength=num_local_experts + 1)[:num_local_experts]
+        counts = _local_expert_counts(flat_expert, num_local_experts)
         num_selected = int(counts.sum().item())
         selection = order[:num_selected]
         expert = flat_expert[selection]
@@ -234,6 +241,18 @@ class ReferenceBackend(DispatchBackend):
         out = recv_weights.new_zeros((plan.num_expanded_rows,))
         out[plan.expand_positions] = recv_weights.flatten()[plan.expand_selection]
         return out
+
+    def _expand_rows(
+        self, recv_x: HiddenStates, recv_weights: Optional[torch.Tensor], plan: _RoutingPlan
+    ) -> tuple[HiddenStates, Optional[torch.Tensor]]:
+        """Moves received compact rows (and their weights) into the expand layout of ``plan``."""
+        if isinstance(recv_x, tuple):
+            recv_x = tuple(self._to_expanded(t, plan) for t in recv_x)
+        else:
+            recv_x = self._to_expanded(recv_x, plan)
+        if recv_weights is not None:
+            recv_weights = self._expanded_weights(recv_weights, plan)
+        return recv_x, recv_weights
 
     def _unpack_recv(self, received: list[torch.Tensor], is_fp8: bool) -> tuple[HiddenStates, list[torch.Tensor]]:
         if is_fp8:
@@ -292,16 +311,10 @@ class ReferenceBackend(DispatchBackend):
         )
         if layout is ExpertLayout.EXPAND:
             tokens_per_expert = self._plan_expand(plan, expert_alignment, num_local_experts)
-            if is_fp8:
-                recv_x = (self._to_expanded(recv_x[0], plan), self._to_expanded(recv_x[1], plan))
-            else:
-                recv_x = self._to_expanded(recv_x, plan)
-            if recv_weights is not None:
-                recv_weights = self._expanded_weights(recv_weights, plan)
+            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan)
             out_idx, num_recv_rows = None, plan.num_expanded_rows
         else:
-            flat_expert = torch.where(recv_local_idx >= 0, recv_local_idx, num_local_experts).flatten()
-            counts = torch.bincount(flat_expert, minlength=num_local_experts + 1)[:num_local_experts]
+            counts = _local_expert_counts(recv_local_idx.flatten(), num_local_experts)
             tokens_per_expert = _align_up(counts, expert_alignment)
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
@@ -343,12 +356,7 @@ class ReferenceBackend(DispatchBackend):
         recv_x, rest = self._unpack_recv(received, is_fp8)
         recv_weights = rest[0] if topk_weights is not None else None
         if handle.layout is ExpertLayout.EXPAND:
-            if is_fp8:
-                recv_x = (self._to_expanded(recv_x[0], plan), self._to_expanded(recv_x[1], plan))
-            else:
-                recv_x = self._to_expanded(recv_x, plan)
-            if recv_weights is not None:
-                recv_weights = self._expanded_weights(recv_weights, plan)
+            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan)
             out_idx = None
         else:
             out_idx = plan.recv_local_idx
