@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_deepepv2._dist import collective_device
 from megatron_deepepv2.backends.base import (
     BackendLimits,
     BufferSpec,
@@ -87,9 +88,9 @@ def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
     pointer of a lazy one. One tiny all-reduce on a CUDA tensor forces its creation.
 
     Args:
-        group: An NCCL process group.
+        group: The expert-parallel process group (NCCL in production).
     """
-    probe = torch.zeros(1, device="cuda")
+    probe = torch.zeros(1, device=collective_device(group))
     dist.all_reduce(probe, group=group)
 
 

@@ -71,6 +71,8 @@ class _RoutingPlan:
 def _as_byte_columns(tensor: torch.Tensor) -> torch.Tensor:
     """Views a row-major tensor ``[R, ...]`` as bytes ``[R, row_bytes]``."""
     rows = tensor.shape[0]
+    if tensor.numel() == 0:  # empty tensors may carry strides .contiguous() keeps (e.g. expanded grads)
+        return torch.empty((rows, _row_width_bytes(tensor)), dtype=torch.uint8, device=tensor.device)
     return tensor.reshape(rows, math.prod(tensor.shape[1:])).contiguous().view(torch.uint8)
 
 

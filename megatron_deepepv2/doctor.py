@@ -1,0 +1,339 @@
+"""Environment doctor: ``python -m megatron_deepepv2.doctor [--json]``.
+
+Checks what the DeepEP v2 path needs, each finding with a fix: Python, torch and megatron-core versions;
+CUDA and the SM architecture; ``deep_ep`` importable with ``ElasticBuffer``; the NCCL runtime actually loaded
+(>= 2.30.4, and exactly one ``libnccl`` mapped); ``deep_ep._C`` linking libstdc++ dynamically (a static copy
+crashes inside ``std::regex`` at the first dispatch); ``nvcc`` and a writable JIT cache for DeepEP's kernels;
+NVLink, and whether ``EP_DISABLE_GIN=1`` is needed (no RDMA NIC); the NVLink-multicast guard variables;
+the torchrun environment; torch's determinism settings.
+
+Exit status: 1 when a blocking problem (``fail``) was found, else 0. Every probe of the system goes through
+:class:`Probes`, so tests inject facts instead of needing a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+MIN_NCCL = (2, 30, 4)
+MULTICAST_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Finding:
+    """One check's outcome.
+
+    Attributes:
+        check: Short name of the check.
+        status: ``ok``, ``warn``, ``fail`` (blocking) or ``skip``.
+        detail: What was observed.
+        fix: How to fix it (empty when nothing is to be done).
+    """
+
+    check: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def elf_needed_libraries(path: str) -> list[str]:
+    """``DT_NEEDED`` entries of a 64-bit little-endian ELF shared object (what ``readelf -d`` lists).
+
+    Args:
+        path: Path of the shared object.
+
+    Returns:
+        The needed library names.
+
+    Raises:
+        ValueError: If the file is not a 64-bit little-endian ELF.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError(f"{path} is not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    needed = []
+    for _name, sh_type, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+        if sh_type != 6:  # SHT_DYNAMIC
+            continue
+        strtab_offset = sections[link][4]
+        for pos in range(offset, offset + size, entsize or 16):
+            tag, value = struct.unpack_from("<qQ", data, pos)
+            if tag == 0:
+                break
+            if tag == 1:  # DT_NEEDED
+                end = data.index(b"\0", strtab_offset + value)
+                needed.append(data[strtab_offset + value:end].decode())
+    return needed
+
+
+def _default_nccl_version() -> Optional[tuple[int, ...]]:
+    import torch  # noqa: PLC0415
+
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - no NCCL in this torch build
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
+
+
+def _default_mapped_nccl() -> list[str]:
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "libnccl" in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+def _default_deep_ep() -> dict[str, Any]:
+    try:
+        import deep_ep  # noqa: PLC0415
+    except (ImportError, AssertionError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    ext = glob.glob(os.path.join(os.path.dirname(deep_ep.__file__), "_C*.so"))
+    return {"version": getattr(deep_ep, "__version__", "unknown"), "has_elastic": hasattr(deep_ep, "ElasticBuffer"),
+            "extension": ext[0] if ext else None}
+
+
+def _default_cuda() -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        return {"available": False}
+    return {"available": True, "count": torch.cuda.device_count(), "capability": torch.cuda.get_device_capability(),
+            "name": torch.cuda.get_device_name()}
+
+
+def _default_nvlink() -> Optional[bool]:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return " NV" in out
+
+
+def _default_versions() -> dict[str, Optional[str]]:
+    from importlib import metadata  # noqa: PLC0415
+
+    versions: dict[str, Optional[str]] = {"python": ".".join(map(str, sys.version_info[:3]))}
+    for name in ("torch", "megatron-core"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def _default_determinism() -> dict[str, bool]:
+    import torch  # noqa: PLC0415
+
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory)}
+
+
+def _nvcc_path(env: dict[str, str]) -> Optional[str]:
+    for var in ("EP_JIT_NVCC_COMPILER",):
+        if env.get(var) and os.path.exists(env[var]):
+            return env[var]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if env.get(var) and os.path.exists(os.path.join(env[var], "bin", "nvcc")):
+            return os.path.join(env[var], "bin", "nvcc")
+    found = shutil.which("nvcc", path=env.get("PATH"))
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+
+
+def _writable_dir(path: str) -> bool:
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return False
+        probe = parent
+    return os.access(probe, os.W_OK)
+
+
+@dataclass
+class Probes:
+    """Everything the doctor reads from the system; replace fields in tests."""
+
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    versions: Callable[[], dict[str, Optional[str]]] = _default_versions
+    cuda: Callable[[], dict[str, Any]] = _default_cuda
+    nccl_version: Callable[[], Optional[tuple[int, ...]]] = _default_nccl_version
+    mapped_nccl: Callable[[], list[str]] = _default_mapped_nccl
+    deep_ep: Callable[[], dict[str, Any]] = _default_deep_ep
+    needed_libraries: Callable[[str], list[str]] = elf_needed_libraries
+    nvcc_path: Callable[[dict[str, str]], Optional[str]] = _nvcc_path
+    writable_dir: Callable[[str], bool] = _writable_dir
+    nvlink: Callable[[], Optional[bool]] = _default_nvlink
+    rdma_devices: Callable[[], list[str]] = lambda: sorted(glob.glob("/sys/class/infiniband/*"))
+    determinism: Callable[[], dict[str, bool]] = _default_determinism
+
+
+def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
+    parts = []
+    for piece in (text or "0").split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
+    """Runs every check.
+
+    Args:
+        probes: System probes (default: the real system).
+
+    Returns:
+        The findings, in a fixed order.
+    """
+    p = probes or Probes()
+    env = p.env
+    findings: list[Finding] = []
+    add = findings.append
+
+    versions = p.versions()
+    python = _version_tuple(versions.get("python"))
+    add(Finding("python", OK if python >= (3, 12) else FAIL, f"Python {versions.get('python')}",
+                "" if python >= (3, 12) else "megatron-core >= 0.17 needs Python >= 3.12."))
+    torch_version = versions.get("torch")
+    ok_torch = torch_version is not None and _version_tuple(torch_version) >= (2, 10)
+    add(Finding("torch", OK if ok_torch else FAIL, f"torch {torch_version}",
+                "" if ok_torch else "Install torch >= 2.10 (DeepEP v2 requirement)."))
+    mcore = versions.get("megatron-core")
+    ok_mcore = mcore is not None and (0, 17) <= _version_tuple(mcore)[:2] < (0, 20)
+    add(Finding("megatron-core", OK if ok_mcore else FAIL, f"megatron-core {mcore}",
+                "" if ok_mcore else "Install megatron-core >=0.17,<0.20."))
+
+    cuda = p.cuda()
+    if not cuda.get("available"):
+        add(Finding("cuda", FAIL, "no CUDA device visible",
+                    "DeepEP needs SM90/SM100 GPUs; on CPU use MEGATRON_DEEPEPV2_BACKEND=reference."))
+    else:
+        major = cuda["capability"][0]
+        arch_ok = major in (9, 10)
+        add(Finding("cuda", OK if arch_ok else FAIL,
+                    f"{cuda['count']} x {cuda.get('name', 'GPU')}, SM{major}{cuda['capability'][1]}",
+                    "" if arch_ok else "DeepEP v2 kernels target sm_90a / sm_100a; use Hopper or Blackwell GPUs."))
+        if cuda["count"] < 2:
+            add(Finding("gpu-count", WARN, f"{cuda['count']} GPU visible",
+                        "Expert parallelism with DeepEP needs >= 2 GPUs (a 1-rank ElasticBuffer crashed in trials)."))
+
+    nccl = p.nccl_version()
+    if nccl is None:
+        add(Finding("nccl-version", FAIL, "torch reports no NCCL", "Use a CUDA build of torch with NCCL."))
+    else:
+        nccl_ok = tuple(nccl) >= MIN_NCCL
+        add(Finding("nccl-version", OK if nccl_ok else FAIL, f"NCCL {'.'.join(map(str, nccl))} loaded by torch",
+                    "" if nccl_ok else "DeepEP v2 needs NCCL >= 2.30.4 at run time: make torch load that libnccl "
+                    "(and build DeepEP against the same one)."))
+    mapped = p.mapped_nccl()
+    add(Finding("nccl-single-library", OK if len(mapped) <= 1 else FAIL,
+                f"libnccl mapped: {', '.join(mapped) or 'none yet'}",
+                "" if len(mapped) <= 1 else "Exactly one libnccl may be mapped (DeepEP asserts at import); drop "
+                "LD_PRELOAD of a second NCCL and replace the one torch loads instead."))
+
+    deep_ep = p.deep_ep()
+    if "error" in deep_ep:
+        add(Finding("deep_ep", FAIL, f"import deep_ep failed: {deep_ep['error']}",
+                    "Install DeepEP v2 (>= 2.1.0) built against the NCCL torch loads."))
+    elif not deep_ep.get("has_elastic"):
+        add(Finding("deep_ep", FAIL, f"deep_ep {deep_ep.get('version')} has no ElasticBuffer (DeepEP v1)",
+                    "Install DeepEP v2 (>= 2.1.0)."))
+    else:
+        add(Finding("deep_ep", OK, f"deep_ep {deep_ep.get('version')} with ElasticBuffer"))
+        extension = deep_ep.get("extension")
+        if extension:
+            try:
+                needed = p.needed_libraries(extension)
+            except (OSError, ValueError) as error:
+                add(Finding("libstdc++-linkage", WARN, f"cannot read {extension}: {error}"))
+            else:
+                dynamic = any(lib.startswith("libstdc++.so") for lib in needed)
+                add(Finding("libstdc++-linkage", OK if dynamic else FAIL,
+                            f"{os.path.basename(extension)} NEEDED: {', '.join(needed)}",
+                            "" if dynamic else "deep_ep._C has libstdc++ linked statically and will crash inside "
+                            "std::regex at the first dispatch; rebuild it with a compiler that links libstdc++ "
+                            "dynamically (e.g. CXX=/usr/bin/g++)."))
+
+    nvcc = p.nvcc_path(env)
+    add(Finding("nvcc", OK if nvcc else FAIL, f"nvcc: {nvcc or 'not found'}",
+                "" if nvcc else "DeepEP JIT-compiles its kernels at first use: install a CUDA toolkit and set "
+                "CUDA_HOME (or EP_JIT_NVCC_COMPILER)."))
+    cache = env.get("EP_JIT_CACHE_DIR") or os.path.join(env.get("HOME", "/root"), ".deep_ep")
+    writable = p.writable_dir(cache)
+    add(Finding("jit-cache", OK if writable else FAIL, f"JIT cache {cache} {'writable' if writable else 'not writable'}",
+                "" if writable else "Set EP_JIT_CACHE_DIR to a writable directory."))
+
+    nvlink = p.nvlink()
+    add(Finding("nvlink", OK if nvlink else (SKIP if nvlink is None else WARN),
+                {True: "NVLink between GPUs", False: "no NVLink between GPUs", None: "nvidia-smi unavailable"}[nvlink],
+                "" if nvlink else "DeepEP's intranode path expects NVLink; PCIe-only GPUs are not supported."))
+    rdma = p.rdma_devices()
+    gin_disabled = env.get("EP_DISABLE_GIN") == "1"
+    if rdma:
+        add(Finding("gin", OK, f"RDMA devices: {', '.join(os.path.basename(d) for d in rdma)}"))
+    else:
+        add(Finding("gin", OK if gin_disabled else FAIL,
+                    "no RDMA NIC; EP_DISABLE_GIN=" + env.get("EP_DISABLE_GIN", "<unset>"),
+                    "" if gin_disabled else "Single node without RDMA: set EP_DISABLE_GIN=1 (else ElasticBuffer "
+                    "asserts 'NCCL GIN is unavailable')."))
+
+    unset = [f"{k}={v}" for k, v in MULTICAST_GUARDS.items() if env.get(k) != v]
+    add(Finding("multicast-guard", OK if not unset else WARN,
+                "NVLink multicast disabled" if not unset else f"not set: {', '.join(unset)}",
+                "" if not unset else "Where NVLink multicast must stay off, export " + " ".join(unset) + "."))
+    missing = [v for v in TORCHRUN_VARS if v not in env]
+    add(Finding("torchrun", OK if not missing else SKIP,
+                "torchrun environment present" if not missing else f"not under torchrun (missing {', '.join(missing)})"))
+    det = p.determinism()
+    conflict = det["deterministic_algorithms"] and det["fill_uninitialized_memory"]
+    add(Finding("determinism", FAIL if conflict else OK,
+                f"deterministic_algorithms={det['deterministic_algorithms']}, "
+                f"fill_uninitialized_memory={det['fill_uninitialized_memory']}",
+                "Set torch.utils.deterministic.fill_uninitialized_memory = False (DeepEP asserts otherwise)."
+                if conflict else ""))
+    return findings
+
+
+def main(argv: Optional[list[str]] = None, probes: Optional[Probes] = None) -> int:
+    """Prints the findings; returns 1 when any is blocking."""
+    parser = argparse.ArgumentParser(description="Check the environment for megatron-deepepv2 with DeepEP v2.")
+    parser.add_argument("--json", action="store_true", help="print findings as JSON")
+    args = parser.parse_args(argv)
+    findings = run_checks(probes)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(f) for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"[{f.status:>4}] {f.check:<20} {f.detail}" + (f"\n{'':27}fix: {f.fix}" if f.fix else ""))
+    blocking = [f for f in findings if f.status == FAIL]
+    if not args.json:
+        print(f"\n{len(blocking)} blocking problem(s)." if blocking else "\nNo blocking problems.")
+    return 1 if blocking else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Functional cases for the DeepEP v2 backend on >= 2 GPUs, run under ``torchrun`` (one process per GPU).
+
+Each case compares the ElasticBuffer path with an independent one over the same NCCL group: the reference
+backend (``torch.distributed``), or Megatron's alltoall dispatcher. ``tests/functional/test_deepep.py``
+launches this file; it can also be run by hand::
+
+    EP_DISABLE_GIN=1 torchrun --nproc-per-node 2 tests/functional/deepep_cases.py [CASE ...]
+
+Prints ``PASS name`` / ``FAIL name`` per case and exits non-zero when any case failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import megatron_deepepv2 as dv2  # noqa: E402
+from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend  # noqa: E402
+
+RANK = int(os.environ.get("RANK", 0))
+CASES: dict[str, Callable[[], None]] = {}
+
+
+def case(fn: Callable[[], None]) -> Callable[[], None]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def log(message: str) -> None:
+    if RANK == 0:
+        print(message, flush=True)
+
+
+def make_routing(tokens: int, hidden: int, experts: int, topk: int, seed: int, drop: float = 0.1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :topk]
+    idx = idx.masked_fill(torch.rand(tokens, topk, generator=gen) < drop, -1)
+    if tokens:
+        idx[0] = -1  # a token with no expert at all
+    weights = torch.rand(tokens, topk, generator=gen)
+    return x.cuda(), idx.cuda().contiguous(), weights.cuda().contiguous()
+
+
+def exact(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if not torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b):
+        diff = (a.float() - b.float()).abs().max().item()
+        raise AssertionError(f"{name}: not bitwise equal (max abs diff {diff:.3e})")
+
+
+def tokens_for_rank(world: int, base: int) -> int:
+    # Uneven counts with an empty last rank.
+    return 0 if RANK == world - 1 else base + 37 * RANK
+
+
+@case
+def layouts_match_reference() -> None:
+    """Dispatch, cached dispatch and combine equal the reference backend bitwise (deterministic mode)."""
+    world = dist.get_world_size()
+    group = dist.group.WORLD
+    hidden, experts, topk, t_max = 1024, 32, 8, 1024
+    for fp8 in (False, True):
+        spec = BufferSpec(hidden=hidden, num_topk=topk, use_fp8=fp8, num_max_tokens_per_rank=t_max, deterministic=True)
+        deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
+        try:
+            for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
+                for alignment in (1, 128):
+                    x, idx, w = make_routing(tokens_for_rank(world, 300), hidden, experts, topk, seed=7 + RANK)
+                    data = x
+                    if fp8:
+                        scales = torch.rand(x.shape[0], hidden // 128, device="cuda") + 0.5
+                        data = ((x.float() / 4).to(torch.float8_e4m3fn), scales)
+                    kwargs = dict(num_experts=experts, layout=layout, expert_alignment=alignment,
+                                  zero_padding=layout is ExpertLayout.EXPAND)
+                    got = deepep.dispatch(data, idx, w, **kwargs)
+                    want = reference.dispatch(data, idx, w, **kwargs)
+                    tag = f"{layout.value}/align{alignment}/fp8={fp8}"
+                    if fp8:
+                        exact(f"{tag} recv_x_fp8", got.recv_x[0], want.recv_x[0])
+                        exact(f"{tag} recv_scales", got.recv_x[1], want.recv_x[1])
+                        recv_rows = want.recv_x[0].float().to(torch.bfloat16)
+                    else:
+                        exact(f"{tag} recv_x", got.recv_x, want.recv_x)
+                        recv_rows = want.recv_x
+                    assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list, tag
+                    if layout is ExpertLayout.COMPACT:
+                        exact(f"{tag} recv_idx", got.recv_topk_idx, want.recv_topk_idx)
+                    exact(f"{tag} recv_weights", got.recv_topk_weights, want.recv_topk_weights)
+                    # Combine (BF16) of the same rows, with weights, equals the reference bitwise.
+                    y = (recv_rows.float() * 0.5).to(torch.bfloat16).contiguous()
+                    got_c = deepep.combine(y, got.handle, got.recv_topk_weights)
+                    want_c = reference.combine(y, want.handle, want.recv_topk_weights)
+                    exact(f"{tag} combine", got_c.x, want_c.x)
+                    exact(f"{tag} combine weights", got_c.topk_weights, want_c.topk_weights)
+                    if not fp8:
+                        grad = (x.float() * 2).to(torch.bfloat16).contiguous()
+                        exact(f"{tag} cached dispatch", deepep.cached_dispatch(grad, got.handle).recv_x,
+                              reference.cached_dispatch(grad, want.handle).recv_x)
+        finally:
+            deepep.destroy()
+
+
+@case
+def nondeterministic_mode_matches_after_canonical_sort() -> None:
+    """Without deterministic mode rows may arrive in any order; as a set (and through combine) they match."""
+    world, group = dist.get_world_size(), dist.group.WORLD
+    hidden, experts, topk = 1024, 32, 8
+    spec = BufferSpec(hidden=hidden, num_topk=topk, use_fp8=False, num_max_tokens_per_rank=1024)
+    deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
+    try:
+        x, idx, w = make_routing(tokens_for_rank(world, 500), hidden, experts, topk, seed=11 + RANK)
+        got = deepep.dispatch(x, idx, w, num_experts=experts)
+        want = reference.dispatch(x, idx, w, num_experts=experts)
+        order_got = got.handle.native.recv_src_metadata[:, 0].long().argsort()
+        order_want = want.handle.native.recv_src_index.argsort()
+        exact("sorted recv_x", got.recv_x[order_got], want.recv_x[order_want])
+        exact("sorted recv_idx", got.recv_topk_idx[order_got], want.recv_topk_idx[order_want])
+        y_got = (got.recv_x.float() * 0.25).to(torch.bfloat16)
+        y_want = (want.recv_x.float() * 0.25).to(torch.bfloat16)
+        # Combine reduces per top-k slot in slot order, whatever the receive order: bitwise equal.
+        exact("combine", deepep.combine(y_got, got.handle).x, reference.combine(y_want, want.handle).x)
+    finally:
+        deepep.destroy()
+
+
+def _ops_run(backend: str, layout: str, **flags):
+    world = dist.get_world_size()
+    x, idx, w = make_routing(tokens_for_rank(world, 256), 1024, 32, 8, seed=23 + RANK)
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1,
+                       zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024, **flags)
+    if layout == "expand":
+        y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
+    else:
+        y = out.recv_x * out.recv_topk_weights.sum(dim=1, keepdim=True).to(out.recv_x.dtype)
+    combined = dv2.combine(y, out.handle, **flags)
+    gen = torch.Generator(device="cuda").manual_seed(RANK)
+    combined.backward(torch.randn(combined.shape, device="cuda", generator=gen).to(combined.dtype))
+    torch.cuda.synchronize()
+    return combined.detach(), x.grad, w.grad
+
+
+@case
+def autograd_ops_match_reference() -> None:
+    """Forward and gradients of our ops with DeepEP equal the reference backend's; flag variants agree."""
+    with dv2.settings_override(deterministic=True):
+        for layout in ("compact", "expand"):
+            want = _ops_run("reference", layout)
+            got = _ops_run("deepep", layout)
+            for name, a, b in zip(("output", "grad_x", "grad_probs"), got, want):
+                exact(f"{layout} {name}", a, b)
+            for async_finish in (False, True):
+                for allocate in (False, True):
+                    variant = _ops_run("deepep", layout, async_finish=async_finish, allocate_on_comm_stream=allocate)
+                    for name, a, b in zip(("output", "grad_x", "grad_probs"), variant, got):
+                        exact(f"{layout} async={async_finish} alloc={allocate} {name}", a, b)
+    dv2.destroy_buffers()
+
+
+@case
+def buffer_rebuilt_when_hidden_changes() -> None:
+    """A hidden-size change rebuilds the ElasticBuffer collectively; results stay right."""
+    from megatron_deepepv2 import buffers
+
+    with dv2.settings_override(deterministic=True):
+        for hidden in (1024, 2048, 1024):
+            x, idx, w = make_routing(128, hidden, 32, 8, seed=31 + RANK)
+            got = dv2.dispatch(x, idx, w, 32, backend="deepep", num_max_tokens_per_rank=512)
+            want = dv2.dispatch(x, idx, w, 32, backend="reference", num_max_tokens_per_rank=512)
+            exact(f"hidden {hidden}", got.recv_x, want.recv_x)
+            assert got.handle.backend.spec.hidden == hidden
+        assert buffers.buffer_stats().rebuilds_for_key >= 2
+    dv2.destroy_buffers()
+
+
+def _moe_layer_grads(dispatcher: str, layout: str, shape, x0):
+    from megatron_deepepv2.testing.moe_model import build_moe_layer
+
+    dv2.configure(layout=layout, backend="deepep")
+    layer = build_moe_layer(shape, dispatcher, seed=5)
+    x = x0.clone().requires_grad_()
+    y, _ = layer(x)
+    y.float().pow(2).mean().backward()
+    torch.cuda.synchronize()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+@case
+def moe_layer_matches_alltoall() -> None:
+    """Megatron MoELayer with deepepv2 (expand, compact) vs the alltoall dispatcher: output and every gradient."""
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig
+
+    dv2.install()
+    shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(RANK)
+    x0 = torch.randn(512, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
+    want = _moe_layer_grads("alltoall", "expand", shape, x0)
+    for layout in ("expand", "compact"):
+        got = _moe_layer_grads("deepepv2", layout, shape, x0)
+        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2, msg=f"{layout} output")
+        torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2, msg=f"{layout} input grad")
+        assert got[2].keys() == want[2].keys()
+        for name in want[2]:
+            torch.testing.assert_close(got[2][name], want[2][name], rtol=2e-2, atol=2e-2, msg=f"{layout} {name}")
+    dv2.destroy_buffers()
+
+
+@case
+def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
+    """Issue-4 GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention."""
+    from tests.determinism.harness import assert_replays_bit_exact, count_differing_replays
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.install()
+    shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
+    x0 = torch.randn(1024, 1, shape.hidden, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16).cuda()
+    for deterministic in (True, False):
+        dv2.configure(layout="expand", backend="deepep", deterministic=deterministic)
+        layer = build_moe_layer(shape, "deepepv2", seed=9)
+        initial = [p.detach().clone() for p in layer.parameters()]
+
+        def run() -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                for param, value in zip(layer.parameters(), initial):
+                    param.copy_(value)
+            layer.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            y, _ = layer(x)
+            y.float().pow(2).mean().backward()
+            torch.cuda.synchronize()
+            return {"output": y, "grad_input": x.grad,
+                    **{f"grad_{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}}
+
+        if deterministic:
+            assert_replays_bit_exact(run, replays=3)
+        else:
+            log(f"  deterministic=False: {count_differing_replays(run, replays=3)} of 2 replays differed (informational)")
+        dv2.destroy_buffers()
+    dv2.configure(deterministic=False)
+
+
+def main() -> int:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    from megatron_deepepv2.testing.moe_model import init_expert_parallel
+
+    init_expert_parallel()
+    selected = sys.argv[1:] or list(CASES)
+    failures = 0
+    for name in selected:
+        start = time.perf_counter()
+        try:
+            CASES[name]()
+            dist.barrier()
+            log(f"PASS {name} ({time.perf_counter() - start:.1f}s)")
+        except Exception:  # noqa: BLE001 - reported per case
+            failures += 1
+            print(f"FAIL {name} on rank {RANK}\n{traceback.format_exc()}", flush=True)
+            break  # peers may be inside a collective; stop instead of hanging
+    dv2.destroy_buffers()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The DeepEP adapter's plumbing, on CPU, against a strict stand-in for ``deep_ep.ElasticBuffer``.
+
+The stand-in enforces the host-side rules of DeepEP 2.1.0 that the adapter must respect (cached dispatch
+needs ``num_sms`` and no ``topk_idx``; ``previous_event`` only with ``allocate_on_comm_stream``; zero padding
+only with expand; events waited only in async mode; explicit destroy) and computes with the reference
+backend, so results can be compared. Real ElasticBuffer runs are in ``tests/functional``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.oracle import make_problem
+
+
+class _Handle:
+    def __init__(self, inner, do_expand: bool, num_sms: int) -> None:
+        self.inner, self.do_expand, self.num_sms = inner, do_expand, num_sms
+        self.num_recv_tokens_per_expert_list = list(inner.tokens_per_expert_list)
+
+
+class _EventOverlap:
+    def __init__(self, is_async: bool, log: list) -> None:
+        self.is_async, self.log = is_async, log
+
+    def current_stream_wait(self) -> None:
+        assert self.is_async, "DeepEP asserts: EventOverlap.event is None without async_with_compute_stream"
+        self.log.append("wait")
+
+
+class FakeElasticBuffer:
+    calls: list = []
+
+    def __init__(self, group, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False,
+                 deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True, explicitly_destroy=False,
+                 **unknown) -> None:
+        from megatron_deepepv2.backends import BufferSpec, ReferenceBackend
+
+        assert not unknown, unknown
+        assert allow_multiple_reduction and explicitly_destroy
+        self.num_bytes = 1 << 21
+        self.ctor = dict(allow_hybrid_mode=allow_hybrid_mode, deterministic=deterministic, T=num_max_tokens_per_rank)
+        self.ref = ReferenceBackend(group, BufferSpec(hidden, num_topk, use_fp8_dispatch, num_max_tokens_per_rank))
+        self.destroyed = False
+
+    @staticmethod
+    def capture():
+        return "event-handle"
+
+    def _check_common(self, previous_event, allocate_on_comm_stream, kwargs):
+        if previous_event is not None:
+            assert allocate_on_comm_stream, "previous_event requires allocate_on_comm_stream (host assert)"
+        FakeElasticBuffer.calls.append(kwargs)
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, num_max_tokens_per_rank=None,
+                 expert_alignment=None, num_sms=0, previous_event=None, async_with_compute_stream=False,
+                 allocate_on_comm_stream=False, handle=None, do_expand=False, do_zero_padding=False, **rest):
+        from megatron_deepepv2.backends import ExpertLayout
+
+        assert not rest, rest
+        self._check_common(previous_event, allocate_on_comm_stream,
+                           dict(op="dispatch", cached=handle is not None, num_sms=num_sms, do_expand=do_expand,
+                                zero=do_zero_padding, prev=previous_event, alloc=allocate_on_comm_stream))
+        assert not do_zero_padding or do_expand, "do_zero_padding needs do_expand"
+        log: list = []
+        if handle is not None:
+            assert topk_idx is None, "cached dispatch takes topk_idx from the handle"
+            assert num_sms != 0, "DeepEP #685: num_sms=0 with a handle raises TypeError"
+            assert do_expand == handle.do_expand, "do_expand must be passed explicitly on cached dispatch"
+            out = self.ref.cached_dispatch(x, handle.inner, topk_weights)
+            return out.recv_x, out.recv_topk_idx, out.recv_topk_weights, handle, _EventOverlap(async_with_compute_stream, log)
+        layout = ExpertLayout.EXPAND if do_expand else ExpertLayout.COMPACT
+        out = self.ref.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, layout=layout,
+                                expert_alignment=expert_alignment, zero_padding=do_zero_padding)
+        ep_handle = _Handle(out.handle, do_expand, num_sms or 20)
+        return out.recv_x, out.recv_topk_idx, out.recv_topk_weights, ep_handle, _EventOverlap(async_with_compute_stream, log)
+
+    def combine(self, x, handle, topk_weights=None, num_sms=0, previous_event=None, async_with_compute_stream=False,
+                allocate_on_comm_stream=False, **rest):
+        assert not rest, rest
+        self._check_common(previous_event, allocate_on_comm_stream,
+                           dict(op="combine", num_sms=num_sms, prev=previous_event, alloc=allocate_on_comm_stream))
+        out = self.ref.combine(x, handle.inner, topk_weights)
+        return out.x, out.topk_weights, _EventOverlap(async_with_compute_stream, [])
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+def _install_fake() -> None:
+    module = types.ModuleType("deep_ep")
+    module.ElasticBuffer = FakeElasticBuffer
+    module.__version__ = "2.1.0-fake"
+    sys.modules["deep_ep"] = module
+
+
+def _adapter_worker(rank: int, world: int) -> None:
+    _install_fake()
+    from megatron_deepepv2 import ops
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
+
+    spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=32, num_sms=24)
+    backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    assert backend.buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
+    problem = make_problem(41, [7, 0, 5, 9][:world], 8, 8, 3, dtype=torch.float32)
+    rows = problem.rows(rank)
+    x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
+    for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
+        kwargs = dict(num_experts=8, layout=layout, expert_alignment=4, zero_padding=layout is ExpertLayout.EXPAND)
+        got, want = backend.dispatch(x, idx, w, **kwargs), reference.dispatch(x, idx, w, **kwargs)
+        assert torch.equal(got.recv_x, want.recv_x)
+        assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list
+        assert got.handle.num_recv_rows == want.recv_x.shape[0]
+        assert (got.recv_topk_idx is None) == (layout is ExpertLayout.EXPAND)
+        combined = backend.combine(got.recv_x, got.handle, got.recv_topk_weights)
+        torch.testing.assert_close(combined.x, reference.combine(want.recv_x, want.handle, want.recv_topk_weights).x)
+        cached = backend.cached_dispatch(problem.grad_out[rows], got.handle)
+        assert torch.equal(cached.recv_x, reference.cached_dispatch(problem.grad_out[rows], want.handle).recv_x)
+        # The autograd op with DeepEP's stream flags: previous event passed, async events waited.
+        FakeElasticBuffer.calls.clear()
+        xg = x.clone().requires_grad_()
+        out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, layout, 4, layout is ExpertLayout.EXPAND, True, True)
+        y = ops._CombineFunction.apply(out[0], out[5], True, True)
+        y.sum().backward()
+        for call in FakeElasticBuffer.calls:
+            assert call["prev"] == "event-handle" and call["alloc"]
+        cached_calls = [c for c in FakeElasticBuffer.calls if c.get("cached")]
+        assert cached_calls and all(c["num_sms"] == 24 and c["do_expand"] == (layout is ExpertLayout.EXPAND)
+                                    and c["zero"] == (layout is ExpertLayout.EXPAND) for c in cached_calls)
+    backend.destroy()
+    assert backend.buffer is None
+
+
+def group_of():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def test_adapter_plumbing_against_strict_stand_in() -> None:
+    run_distributed(_adapter_worker, 4, env={"LOCAL_WORLD_SIZE": "4"})
+
+
+def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_deepepv2.backends.deepep import import_deep_ep
+
+    v1 = types.ModuleType("deep_ep")
+    v1.__version__ = "1.2.1"
+    monkeypatch.setitem(sys.modules, "deep_ep", v1)
+    with pytest.raises(ImportError, match="deep_ep 1.2.1 has no ElasticBuffer: it is DeepEP v1"):
+        import_deep_ep()

@@ -1,0 +1,101 @@
+"""The environment doctor, with injected probes (no GPU needed)."""
+
+from __future__ import annotations
+
+import glob
+import json
+
+import pytest
+
+from megatron_deepepv2.doctor import FAIL, OK, Probes, elf_needed_libraries, main, run_checks
+
+HEALTHY_ENV = {"EP_DISABLE_GIN": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+               "NVSHMEM_DISABLE_NVLS": "1", "HOME": "/root", "PATH": "/usr/bin"}
+
+
+def healthy(**changes) -> Probes:
+    probes = Probes(
+        env=dict(HEALTHY_ENV),
+        versions=lambda: {"python": "3.12.3", "torch": "2.11.0+cu130", "megatron-core": "0.19.2"},
+        cuda=lambda: {"available": True, "count": 2, "capability": (9, 0), "name": "NVIDIA H200"},
+        nccl_version=lambda: (2, 30, 7),
+        mapped_nccl=lambda: ["/site/nvidia/nccl/lib/libnccl.so.2"],
+        deep_ep=lambda: {"version": "2.1.0", "has_elastic": True, "extension": "/site/deep_ep/_C.so"},
+        needed_libraries=lambda path: ["libnccl.so.2", "libstdc++.so.6", "libc.so.6"],
+        nvcc_path=lambda env: "/usr/local/cuda/bin/nvcc",
+        writable_dir=lambda path: True,
+        nvlink=lambda: True,
+        rdma_devices=lambda: [],
+        determinism=lambda: {"deterministic_algorithms": False, "fill_uninitialized_memory": True},
+    )
+    for name, value in changes.items():
+        setattr(probes, name, value)
+    return probes
+
+
+def status(findings, check: str) -> str:
+    return next(f for f in findings if f.check == check).status
+
+
+def test_healthy_machine_has_no_blocking_problem(capsys: pytest.CaptureFixture) -> None:
+    assert main([], probes=healthy()) == 0
+    assert "No blocking problems." in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "changes,check,phrase",
+    [
+        ({"nccl_version": lambda: (2, 28, 9)}, "nccl-version", "needs NCCL >= 2.30.4"),
+        ({"mapped_nccl": lambda: ["/a/libnccl.so.2", "/b/libnccl.so.2"]}, "nccl-single-library", "Exactly one libnccl"),
+        ({"needed_libraries": lambda p: ["libnccl.so.2", "libc.so.6"]}, "libstdc++-linkage", "std::regex"),
+        ({"deep_ep": lambda: {"error": "ModuleNotFoundError: No module named 'deep_ep'"}}, "deep_ep", "Install DeepEP v2"),
+        ({"deep_ep": lambda: {"version": "1.2.1", "has_elastic": False}}, "deep_ep", "Install DeepEP v2"),
+        ({"cuda": lambda: {"available": True, "count": 2, "capability": (8, 0), "name": "A100"}}, "cuda", "sm_90a"),
+        ({"cuda": lambda: {"available": False}}, "cuda", "MEGATRON_DEEPEPV2_BACKEND=reference"),
+        ({"nvcc_path": lambda env: None}, "nvcc", "CUDA_HOME"),
+        ({"writable_dir": lambda path: False}, "jit-cache", "EP_JIT_CACHE_DIR"),
+        ({"env": {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}}, "gin", "EP_DISABLE_GIN=1"),
+        ({"determinism": lambda: {"deterministic_algorithms": True, "fill_uninitialized_memory": True}},
+         "determinism", "fill_uninitialized_memory = False"),
+        ({"versions": lambda: {"python": "3.11.7", "torch": "2.11.0", "megatron-core": "0.19.2"}}, "python", "3.12"),
+        ({"versions": lambda: {"python": "3.12.1", "torch": "2.9.1", "megatron-core": "0.19.2"}}, "torch", "2.10"),
+        ({"versions": lambda: {"python": "3.12.1", "torch": "2.11.0", "megatron-core": "0.16.1"}}, "megatron-core", ">=0.17"),
+    ],
+)
+def test_each_blocking_problem_is_reported_with_a_fix(changes, check, phrase) -> None:
+    findings = run_checks(healthy(**changes))
+    finding = next(f for f in findings if f.check == check)
+    assert finding.status == FAIL and phrase in finding.fix
+    assert main([], probes=healthy(**changes)) == 1
+
+
+def test_rdma_nic_makes_gin_fine_without_the_variable() -> None:
+    env = {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}
+    findings = run_checks(healthy(env=env, rdma_devices=lambda: ["/sys/class/infiniband/mlx5_0"]))
+    assert status(findings, "gin") == OK
+
+
+def test_json_output(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--json"], probes=healthy(nccl_version=lambda: (2, 28, 9))) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert {"check", "status", "detail", "fix"} <= rows[0].keys()
+    assert any(r["check"] == "nccl-version" and r["status"] == "fail" for r in rows)
+
+
+def test_real_probes_run_on_this_machine() -> None:
+    # On the CPU CI machine the doctor must run and report the missing GPU/DeepEP as blocking.
+    findings = run_checks()
+    assert status(findings, "python") == OK
+    assert {f.check for f in findings} >= {"cuda", "deep_ep", "nccl-version", "nvcc", "gin", "determinism"}
+
+
+def test_elf_reader_lists_needed_libraries() -> None:
+    import torch
+
+    lib = next(iter(glob.glob(torch.__path__[0] + "/lib/libtorch_cpu.so")), None)
+    if lib is None:
+        pytest.skip("libtorch_cpu.so not found")
+    needed = elf_needed_libraries(lib)
+    assert any(name.startswith("libc10") for name in needed)
+    with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
+        elf_needed_libraries(__file__)

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Benchmark of the deepepv2 path on GPUs (run under torchrun, one process per GPU).
+
+For each configuration (tokens per rank T, hidden H, experts E, top-k, BF16 or FP8 dispatch) it times, with
+CUDA events after warm-up (DeepEP's JIT excluded), the median of ``--iters`` iterations, slowest rank:
+
+* ``raw_dispatch`` / ``raw_combine``: DeepEP ``ElasticBuffer.dispatch`` (expand layout) and ``combine``;
+* ``ops_fwd_bwd``: our autograd dispatch + combine, forward and backward (DeepEP backend);
+* ``raw_fwd_bwd``: the same four ElasticBuffer calls without our layer (the 1.05x target's denominator);
+* ``reference_fwd_bwd``: our ops on the reference backend (NCCL all_to_all_single);
+* ``path_<dispatcher>``: Megatron's dispatcher path (router -> dispatch stages -> identity experts ->
+  combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact;
+* ``layer_<dispatcher>``: a full MoELayer (SequentialMLP experts) forward + backward (BF16 configs only);
+* ``nvlink_peak``: a 1 GiB peer-to-peer send, the NVLink reference in the same run.
+
+Reports microseconds, logical GB/s (bytes received per rank incl. its own tokens) and remote GB/s (bytes
+from the other ranks), and ratios against raw ElasticBuffer, the best stock dispatcher and the NVLink peak;
+writes ``bench.json`` and ``bench.png`` to ``--out``::
+
+    EP_DISABLE_GIN=1 torchrun --nproc-per-node 2 tools/bench.py --out bench_out [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+logger = logging.getLogger("bench")
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark configuration."""
+
+    tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    fp8: bool
+
+    @property
+    def label(self) -> str:
+        return f"T{self.tokens} H{self.hidden} E{self.experts} top{self.topk} {'FP8' if self.fp8 else 'BF16'}"
+
+
+def time_op(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median microseconds of ``fn`` over ``iters`` runs (after ``warmup``), the slowest rank's."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0)
+    median = torch.tensor([statistics.median(samples)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median.item())
+
+
+def nvlink_peak_gbs(num_bytes: int = 1 << 30, iters: int = 10) -> float:
+    """One-way peer-to-peer bandwidth rank 0 -> rank 1 (GB/s), shared with every rank."""
+    rank = dist.get_rank()
+    buf = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    gbs = torch.zeros(1, device="cuda")
+    if rank in (0, 1):
+        for i in range(iters + 2):
+            if i == 2:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        torch.cuda.synchronize()
+        gbs[0] = num_bytes * iters / (time.perf_counter() - start) / 1e9
+    dist.all_reduce(gbs, op=dist.ReduceOp.MAX)
+    return float(gbs.item())
+
+
+def make_inputs(cfg: BenchConfig, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(cfg.tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    scores = torch.rand(cfg.tokens, cfg.experts, device="cuda", generator=gen)
+    weights, idx = scores.topk(cfg.topk, dim=1)
+    return x, idx.contiguous(), weights.float().contiguous()
+
+
+def received_rows(idx: torch.Tensor, cfg: BenchConfig) -> tuple[float, float]:
+    """(all, remote) token rows a rank receives in a compact dispatch, maximised over ranks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = cfg.experts // world
+    dest = torch.zeros(cfg.tokens, world, dtype=torch.bool, device="cuda")
+    dest.scatter_(1, idx // local, True)
+    per_rank = dest.sum(dim=0).to(torch.float64)  # rows this rank sends to each rank
+    gathered = [torch.zeros_like(per_rank) for _ in range(world)]
+    dist.all_gather(gathered, per_rank)
+    incoming = torch.stack(gathered)[:, rank]  # rows received from each source
+    totals = torch.stack([incoming.sum(), incoming.sum() - incoming[rank]])
+    dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    return float(totals[0]), float(totals[1])
+
+
+def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+    from megatron_deepepv2 import buffers  # noqa: PLC0415
+    from megatron_deepepv2.backends import DeepEPBackend  # noqa: PLC0415
+
+    x, idx, w = make_inputs(cfg, seed=dist.get_rank())
+    data = x
+    if cfg.fp8:
+        scales = torch.ones(cfg.tokens, cfg.hidden // 128, device="cuda")
+        data = (x.to(torch.float8_e4m3fn), scales)
+    capacity = cfg.tokens
+    with dv2.settings_override(num_sms=args.sms):
+        out = dv2.dispatch(data, idx, w, cfg.experts, layout="expand", expert_alignment=128, zero_padding=True,
+                           backend="deepep", num_max_tokens_per_rank=capacity)
+        buffer = out.handle.backend
+        assert isinstance(buffer, DeepEPBackend)
+        raw = buffer.buffer
+
+        def raw_dispatch():
+            return raw.dispatch(data, topk_idx=idx, topk_weights=w, num_experts=cfg.experts,
+                                num_max_tokens_per_rank=capacity, expert_alignment=128, num_sms=args.sms,
+                                do_expand=True, do_zero_padding=True)
+
+        recv_x, _, recv_w, handle, _ = raw_dispatch()
+        rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x)
+        y = torch.ones(rows.shape[0], cfg.hidden, dtype=torch.bfloat16, device="cuda")
+
+        def raw_combine():
+            return raw.combine(y, handle, topk_weights=recv_w)
+
+        grad_out = torch.ones(cfg.tokens, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+
+        def raw_fwd_bwd():
+            # The four ElasticBuffer calls our ops make: dispatch, combine, cached dispatch, weighted combine.
+            rx, _, rw, h, _ = raw_dispatch()
+            raw.combine(rx, h)
+            grad_rows = raw.dispatch(grad_out, handle=h, num_sms=h.num_sms, do_expand=True, do_zero_padding=True)[0]
+            raw.combine(grad_rows, h, topk_weights=rw)
+
+        x_req = x.clone().requires_grad_(not cfg.fp8)
+        w_req = w.clone().requires_grad_()
+
+        def ops_fwd_bwd(backend: str = "deepep"):
+            inp = x_req if not cfg.fp8 else data
+            res = dv2.dispatch(inp, idx, w_req, cfg.experts, layout="expand", expert_alignment=128,
+                               zero_padding=True, backend=backend, num_max_tokens_per_rank=capacity)
+            rx = res.recv_x if not cfg.fp8 else res.recv_x[0].to(torch.bfloat16)
+            out_ = dv2.combine(rx, res.handle)
+            out_.backward(grad_out)
+
+        results["raw_dispatch"] = time_op(raw_dispatch, args.iters, args.warmup)
+        results["raw_combine"] = time_op(raw_combine, args.iters, args.warmup)
+        if not cfg.fp8:
+            results["raw_fwd_bwd"] = time_op(raw_fwd_bwd, args.iters, args.warmup)
+        results["ops_fwd_bwd"] = time_op(ops_fwd_bwd, args.iters, args.warmup)
+        if not args.skip_reference:
+            results["reference_fwd_bwd"] = time_op(lambda: ops_fwd_bwd("reference"), args.iters, args.warmup)
+    logical_rows, remote_rows = received_rows(idx, cfg)
+    dispatch_elem = 1 + 4 / 128 if cfg.fp8 else 2  # FP8 rows carry one fp32 scale per 128 values
+    results["dispatch_logical_bytes"] = logical_rows * cfg.hidden * dispatch_elem
+    results["dispatch_remote_bytes"] = remote_rows * cfg.hidden * dispatch_elem
+    results["combine_logical_bytes"] = logical_rows * cfg.hidden * 2  # combine is BF16
+    results["combine_remote_bytes"] = remote_rows * cfg.hidden * 2
+    buffers.destroy_buffers()
+
+
+def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer  # noqa: PLC0415
+
+    shape = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
+                          params_dtype=torch.bfloat16)
+    x0 = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16)
+    variants = [("alltoall", "alltoall", None), ("allgather", "allgather", None),
+                ("deepepv2_expand", "deepepv2", "expand"), ("deepepv2_compact", "deepepv2", "compact")]
+    for name, dispatcher, layout in variants:
+        if layout:
+            dv2.configure(layout=layout, backend="deepep", num_sms=args.sms,
+                          num_max_tokens_per_rank=cfg.tokens)
+        layer = build_moe_layer(shape, dispatcher, seed=3)
+        td = layer.token_dispatcher
+        x = x0.clone().requires_grad_()
+
+        def path():
+            probs, routing_map = layer.router(x)
+            h, p = td.dispatch_preprocess(x, routing_map, probs)
+            h, p = td.token_dispatch(h, p)
+            h, _, p = td.dispatch_postprocess(h, p)
+            h = td.combine_preprocess(h * p.unsqueeze(1).to(h.dtype))
+            out = td.combine_postprocess(td.token_combine(h))
+            out.backward(torch.ones_like(out))
+
+        def whole_layer():
+            y, _ = layer(x)
+            y.backward(torch.ones_like(y))
+
+        results[f"path_{name}"] = time_op(path, args.iters, args.warmup)
+        if not args.skip_layer:
+            results[f"layer_{name}"] = time_op(whole_layer, args.iters, args.warmup)
+        del layer
+        dv2.destroy_buffers()
+
+
+def summarise(cfg: BenchConfig, r: dict, peak: float) -> dict:
+    s = {}
+    if "raw_dispatch" in r:
+        s["dispatch_logical_GBs"] = r["dispatch_logical_bytes"] / r["raw_dispatch"] / 1e3
+        s["dispatch_remote_GBs"] = r["dispatch_remote_bytes"] / r["raw_dispatch"] / 1e3
+        s["combine_remote_GBs"] = r["combine_remote_bytes"] / r["raw_combine"] / 1e3
+        s["dispatch_fraction_of_nvlink_peak"] = s["dispatch_remote_GBs"] / peak
+        s["combine_fraction_of_nvlink_peak"] = s["combine_remote_GBs"] / peak
+    if "raw_fwd_bwd" in r:
+        s["ops_vs_raw"] = r["ops_fwd_bwd"] / r["raw_fwd_bwd"]
+    stock_paths = [r[k] for k in ("path_alltoall", "path_allgather") if k in r]
+    if stock_paths and "path_deepepv2_expand" in r:
+        s["path_speedup_expand_vs_best_stock"] = min(stock_paths) / r["path_deepepv2_expand"]
+    stock_layers = [r[k] for k in ("layer_alltoall", "layer_allgather") if k in r]
+    if stock_layers and "layer_deepepv2_expand" in r:
+        s["layer_speedup_expand_vs_best_stock"] = min(stock_layers) / r["layer_deepepv2_expand"]
+    return s
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    keys = ["path_alltoall", "path_allgather", "path_deepepv2_expand", "path_deepepv2_compact",
+            "layer_alltoall", "layer_deepepv2_expand", "ops_fwd_bwd", "raw_fwd_bwd", "reference_fwd_bwd"]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / len(keys)
+    for k, key in enumerate(keys):
+        values = [row["times_us"].get(key, 0) / 1000 for row in rows]
+        ax.bar([i + k * width for i in range(len(rows))], values, width, label=key)
+    ax.set_xticks([i + 0.4 for i in range(len(rows))], [row["config"] for row in rows], rotation=15, fontsize=8)
+    ax.set_ylabel("ms (median, forward + backward where applicable)")
+    ax.set_title("deepepv2 benchmark (lower is better)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    parser.add_argument("--experts", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--fp8", choices=["both", "on", "off"], default="both")
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--sms", type=int, default=16, help="SMs for DeepEP's kernels")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--skip-megatron", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="T4096 H4096 E64 BF16 only")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+    from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
+
+    dv2.install()
+    init_expert_parallel()
+    peak = nvlink_peak_gbs()
+    logger.info("NVLink peer-to-peer peak (1 GiB send): %.1f GB/s", peak)
+    fp8_values = {"both": (False, True), "on": (True,), "off": (False,)}[args.fp8]
+    if args.quick:
+        args.tokens, args.hidden, args.experts, fp8_values = [4096], [4096], [64], (False,)
+    rows = []
+    for tokens, hidden, experts, fp8 in itertools.product(args.tokens, args.hidden, args.experts, fp8_values):
+        cfg = BenchConfig(tokens, hidden, experts, args.topk, fp8)
+        logger.info("== %s", cfg.label)
+        times: dict = {}
+        bench_ops(cfg, args, times)
+        if not args.skip_megatron and not fp8:
+            bench_megatron(cfg, args, times)
+        summary = summarise(cfg, times, peak)
+        rows.append({"config": cfg.label, **asdict(cfg), "sms": args.sms,
+                     "times_us": {k: v for k, v in times.items() if not k.endswith("_bytes")},
+                     "bytes": {k: v for k, v in times.items() if k.endswith("_bytes")}, "summary": summary})
+        for key, value in rows[-1]["times_us"].items():
+            logger.info("   %-26s %10.1f us", key, value)
+        for key, value in summary.items():
+            logger.info("   %-34s %8.3f", key, value)
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"nvlink_peak_GBs": peak, "world_size": dist.get_world_size(),
+                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+        try:
+            plot(rows, os.path.join(args.out, "bench.png"))
+        except ImportError:
+            logger.warning("matplotlib missing: no plot")
+        logger.info("wrote %s", os.path.join(args.out, "bench.json"))
+    dv2.destroy_buffers()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
