@@ -48,7 +48,7 @@ class KernelEntry:
     exempt_reason: Optional[str] = None
 
 
-_REPLAY_TESTS = ("tests/determinism/test_replay.py",)
+_REPLAY_TESTS = ("tests/determinism/test_replay.py", "tests/functional/deepep_cases.py")
 
 KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry(

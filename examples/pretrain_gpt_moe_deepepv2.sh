@@ -7,8 +7,8 @@
 # and model_provider.py are used unchanged). The script only prefixes the launch with `-m megatron_deepepv2.run`,
 # which installs the backend before Megatron parses `--moe-flex-dispatcher-backend deepepv2`.
 # Backend: DeepEP's ElasticBuffer when usable, else the portable reference backend (MEGATRON_DEEPEPV2_BACKEND).
-# Extra args override the defaults below (e.g. `--moe-flex-dispatcher-backend deepep`, `--train-iters 200`,
-# or `--moe-token-dispatcher-type alltoall` for a baseline run).
+# Extra args override the defaults below (e.g. `--train-iters 200`). For an alltoall baseline pass
+# `--moe-token-dispatcher-type alltoall --moe-flex-dispatcher-backend deepep` (deepepv2 requires the flex dispatcher).
 set -euo pipefail
 
 MEGATRON_LM=${1:?usage: $0 /path/to/Megatron-LM [NUM_GPUS] [extra args...]}
@@ -21,7 +21,8 @@ export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 
 exec torchrun --nproc-per-node "$NUM_GPUS" -m megatron_deepepv2.run "$MEGATRON_LM/pretrain_gpt.py" \
     --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
-    --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
+    --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion \
+    --no-bias-gelu-fusion --no-bias-swiglu-fusion \
     --num-layers 2 --hidden-size 1024 --ffn-hidden-size 2048 --num-attention-heads 8 \
     --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope \
     --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --moe-router-dtype fp32 \

@@ -83,22 +83,17 @@ def elf_needed_libraries(path: str) -> list[str]:
 
 
 def _default_nccl_version() -> Optional[tuple[int, ...]]:
-    import torch  # noqa: PLC0415
+    import torch  # noqa: F401,PLC0415 - loads torch's libnccl before asking it
 
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception:  # noqa: BLE001 - no NCCL in this torch build
-        return None
-    return tuple(version) if isinstance(version, tuple) else None
+    from megatron_deepepv2._dist import runtime_nccl_version  # noqa: PLC0415
+
+    return runtime_nccl_version()
 
 
 def _default_mapped_nccl() -> list[str]:
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = {line.split()[-1] for line in maps if "libnccl" in line and "/" in line}
-    except OSError:
-        return []
-    return sorted(paths)
+    from megatron_deepepv2._dist import mapped_nccl_libraries  # noqa: PLC0415
+
+    return mapped_nccl_libraries()
 
 
 def _default_deep_ep() -> dict[str, Any]:

@@ -89,6 +89,7 @@ class _DispatchFunction(torch.autograd.Function):
         if recv_weights is not None and out.recv_topk_idx is not None:
             recv_weights = recv_weights.masked_fill(out.recv_topk_idx < 0, 0.0)
 
+        ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
         ctx.handle = out.handle
         ctx.async_finish = async_finish
         ctx.allocate_on_comm_stream = allocate_on_comm_stream

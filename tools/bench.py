@@ -161,7 +161,9 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
             inp = x_req if not cfg.fp8 else data
             res = dv2.dispatch(inp, idx, w_req, cfg.experts, layout="expand", expert_alignment=128,
                                zero_padding=True, backend=backend, num_max_tokens_per_rank=capacity)
-            rx = res.recv_x if not cfg.fp8 else res.recv_x[0].to(torch.bfloat16)
+            rx = res.recv_x
+            if cfg.fp8:  # FP8 rows carry no gradient; the weights' gradient still flows through combine
+                rx = res.recv_x[0].to(torch.bfloat16) * res.recv_topk_weights.unsqueeze(1).to(torch.bfloat16)
             out_ = dv2.combine(rx, res.handle)
             out_.backward(grad_out)
 

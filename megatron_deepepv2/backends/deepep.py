@@ -17,6 +17,7 @@ explains what is missing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, ClassVar, Optional
@@ -24,7 +25,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import collective_device
+from megatron_deepepv2._dist import collective_device, runtime_nccl_version
 from megatron_deepepv2.backends.base import (
     BackendLimits,
     BufferSpec,
@@ -73,14 +74,6 @@ def import_deep_ep() -> Any:
     return deep_ep
 
 
-def _nccl_version() -> Optional[tuple[int, ...]]:
-    try:
-        version = torch.cuda.nccl.version()
-    except Exception:  # noqa: BLE001 - torch raises various errors without NCCL
-        return None
-    return tuple(version) if isinstance(version, tuple) else None
-
-
 def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
     """Makes PyTorch create the NCCL communicator of ``group`` now.
 
@@ -98,6 +91,25 @@ def _group_spans_nodes(group_size: int) -> bool:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     per_node = int(local) if local else max(torch.cuda.device_count(), 1)
     return group_size > per_node
+
+
+@functools.lru_cache(maxsize=1)
+def _deepep_unavailable_reason() -> Optional[str]:
+    """Why DeepEP v2 cannot run in this process, or None (computed once)."""
+    if not torch.cuda.is_available():
+        return f"no CUDA device is visible. {INSTALL_HINT}"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"DeepEP v2 needs an SM90 (Hopper) or SM100 GPU; this one is SM{major}x. {INSTALL_HINT}"
+    nccl = runtime_nccl_version()
+    if nccl is not None and nccl < MIN_NCCL_VERSION:
+        loaded = ".".join(map(str, nccl))
+        return f"PyTorch loaded NCCL {loaded}; DeepEP v2 needs >= 2.30.4. {INSTALL_HINT}"
+    try:
+        import_deep_ep()
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 class _EventOverlapWait:
@@ -164,20 +176,9 @@ class DeepEPBackend(DispatchBackend):
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        if not torch.cuda.is_available():
-            return f"no CUDA device is visible. {INSTALL_HINT}"
-        major, _ = torch.cuda.get_device_capability()
-        if major < 9:
-            return f"DeepEP v2 needs an SM90 (Hopper) or SM100 GPU; this one is SM{major}x. {INSTALL_HINT}"
-        nccl = _nccl_version()
-        if nccl is not None and nccl < MIN_NCCL_VERSION:
-            loaded = ".".join(map(str, nccl))
-            return f"PyTorch loaded NCCL {loaded}; DeepEP v2 needs >= 2.30.4. {INSTALL_HINT}"
-        try:
-            import_deep_ep()
-        except ImportError as error:
-            return str(error)
-        return None
+        # Cached: availability does not change within a process, and the probes (import, NCCL query)
+        # are far too slow for the per-dispatch backend resolution.
+        return _deepep_unavailable_reason()
 
     @classmethod
     def preflight(cls) -> Optional[Exception]:

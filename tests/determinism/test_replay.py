@@ -158,3 +158,30 @@ def _compact_deterministic_mode(rank: int, world: int) -> None:
 
 def test_compact_layout_in_deterministic_mode_replays_bit_exact() -> None:
     run_distributed(_compact_deterministic_mode, 2, timeout=180)
+
+
+def _gpu_skip_reason() -> str | None:
+    if torch.cuda.device_count() < 2:
+        return f"ElasticBuffer replays need >= 2 CUDA GPUs (found {torch.cuda.device_count()})"
+    from megatron_deepepv2.backends import DeepEPBackend
+
+    return DeepEPBackend.unavailable_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+def test_elastic_buffer_moe_layer_replays_under_torchrun() -> None:
+    """ElasticBuffer MoELayer replays: bit-exact with deterministic mode on; reported (not asserted) with it off."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, EP_DISABLE_GIN=os.environ.get("EP_DISABLE_GIN", "1"),
+               PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(root / "tests/functional/deepep_cases.py"),
+                           "moe_layer_replays_bit_exact_in_deterministic_mode"],
+                          capture_output=True, text=True, env=env, timeout=580, cwd=root)
+    assert done.returncode == 0 and "PASS moe_layer_replays" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
