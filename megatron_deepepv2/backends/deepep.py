@@ -112,6 +112,27 @@ def _deepep_unavailable_reason() -> Optional[str]:
     return None
 
 
+def aligned_counts_from_psum(psum: torch.Tensor, alignment: int, expand: bool) -> torch.Tensor:
+    """Alignment-padded rows per local expert from DeepEP's ``psum_num_recv_tokens_per_expert``, on the device.
+
+    Computing them on the device avoids a host-to-device copy of the host list, which would block the host
+    until the dispatch epilogue finished.
+
+    Args:
+        psum: ``EPHandle.psum_num_recv_tokens_per_expert``. Compact: inclusive prefix sum of aligned counts.
+            Expand: aligned start of expert ``i`` plus its unaligned count.
+        alignment: The dispatch's ``expert_alignment``.
+        expand: Whether the dispatch used the expand layout.
+
+    Returns:
+        int64 ``[E_local]`` aligned counts (the device twin of ``num_recv_tokens_per_expert_list``).
+    """
+    psum = psum.to(torch.int64)
+    if expand:
+        psum = (psum + alignment - 1) // alignment * alignment  # aligned end of each expert block
+    return torch.diff(psum, prepend=psum.new_zeros(1))
+
+
 class _EventOverlapWait:
     """Adapts DeepEP's ``EventOverlap`` of an async call to :class:`~megatron_deepepv2.backends.base.CommEvent`."""
 
@@ -208,7 +229,9 @@ class DeepEPBackend(DispatchBackend):
             num_tokens=num_tokens,
             num_topk=num_topk,
             num_recv_rows=num_recv_rows,
-            tokens_per_expert=torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
+            tokens_per_expert=aligned_counts_from_psum(
+                native_handle.psum_num_recv_tokens_per_expert, expert_alignment, layout is ExpertLayout.EXPAND
+            ),
             tokens_per_expert_list=counts,
             native=native_handle,
         )

@@ -92,6 +92,7 @@ def layouts_match_reference() -> None:
                         exact(f"{tag} recv_x", got.recv_x, want.recv_x)
                         recv_rows = want.recv_x
                     assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list, tag
+                    assert got.handle.tokens_per_expert.tolist() == want.handle.tokens_per_expert_list, tag
                     if layout is ExpertLayout.COMPACT:
                         exact(f"{tag} recv_idx", got.recv_topk_idx, want.recv_topk_idx)
                     exact(f"{tag} recv_weights", got.recv_topk_weights, want.recv_topk_weights)

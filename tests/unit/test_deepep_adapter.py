@@ -22,6 +22,16 @@ class _Handle:
     def __init__(self, inner, do_expand: bool, num_sms: int) -> None:
         self.inner, self.do_expand, self.num_sms = inner, do_expand, num_sms
         self.num_recv_tokens_per_expert_list = list(inner.tokens_per_expert_list)
+        # DeepEP's device-side prefix sums, built from the plan's real (unaligned) counts as documented:
+        # compact = inclusive psum of aligned counts; expand = aligned start of expert i + its real count.
+        aligned = torch.tensor(self.num_recv_tokens_per_expert_list, dtype=torch.int32)
+        if do_expand:
+            positions = inner.native.expand_positions
+            starts = torch.cumsum(aligned, 0) - aligned
+            real = torch.stack([((positions >= s) & (positions < s + a)).sum() for s, a in zip(starts, aligned)])
+            self.psum_num_recv_tokens_per_expert = (starts + real).to(torch.int32)
+        else:
+            self.psum_num_recv_tokens_per_expert = torch.cumsum(aligned, 0).to(torch.int32)
 
 
 class _EventOverlap:
@@ -115,6 +125,7 @@ def _adapter_worker(rank: int, world: int) -> None:
         got, want = backend.dispatch(x, idx, w, **kwargs), reference.dispatch(x, idx, w, **kwargs)
         assert torch.equal(got.recv_x, want.recv_x)
         assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list
+        assert got.handle.tokens_per_expert.tolist() == want.handle.tokens_per_expert_list
         assert got.handle.num_recv_rows == want.recv_x.shape[0]
         assert (got.recv_topk_idx is None) == (layout is ExpertLayout.EXPAND)
         combined = backend.combine(got.recv_x, got.handle, got.recv_topk_weights)
