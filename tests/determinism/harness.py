@@ -97,3 +97,29 @@ def assert_replays_bit_exact(run: Callable[[], dict[str, torch.Tensor]], replays
     if problems:
         raise ReplayMismatch("; ".join(problems))
     return results[0]
+
+
+def moe_layer_replay(layer: torch.nn.Module, x0: torch.Tensor, extra: Callable[[], dict] | None = None
+                     ) -> Callable[[], dict[str, torch.Tensor]]:
+    """A replayable forward + backward of a Megatron MoELayer from its current parameters.
+
+    Each call restores the parameters, runs ``layer(x0)`` and backward of ``sum(y**2)``, and returns the
+    output, the input gradient, every parameter gradient and whatever ``extra()`` returns (e.g. the probs
+    gradient captured by a hook).
+    """
+    initial = [p.detach().clone() for p in layer.parameters()]
+
+    def run() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for param, value in zip(layer.parameters(), initial):
+                param.copy_(value)
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y, _ = layer(x)
+        y.float().pow(2).sum().backward()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        grads = {f"grad_{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}
+        return {"output": y, "grad_input": x.grad, **grads, **(extra() if extra else {})}
+
+    return run

@@ -11,7 +11,12 @@ import os
 import pytest
 import torch
 
-from tests.determinism.harness import ReplayMismatch, assert_replays_bit_exact, count_differing_replays
+from tests.determinism.harness import (
+    ReplayMismatch,
+    assert_replays_bit_exact,
+    count_differing_replays,
+    moe_layer_replay,
+)
 from tests.distributed import run_distributed
 from tests.oracle import experts_on_compact, experts_on_expand, make_problem
 
@@ -63,7 +68,6 @@ def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> N
     shape = TinyMoEConfig(hidden=32, ffn=32, num_experts=8, topk=2, capacity_factor=capacity_factor,
                           params_dtype=torch.bfloat16)
     layer = build_moe_layer(shape, "deepepv2")
-    initial = [p.detach().clone() for p in layer.parameters()]
     x0 = torch.randn(24, 1, shape.hidden, generator=torch.Generator().manual_seed(rank), dtype=torch.bfloat16)
     manager = layer.token_dispatcher._comm_manager
     original_dispatch = manager.dispatch
@@ -75,18 +79,7 @@ def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> N
         return original_dispatch(hidden, *args)
 
     manager.dispatch = dispatch
-
-    def run() -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            for param, value in zip(layer.parameters(), initial):
-                param.copy_(value)
-        layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        y, _ = layer(x)
-        y.float().pow(2).sum().backward()
-        grads = {f"grad_{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}
-        return {"output": y, "grad_input": x.grad, "grad_probs": probs_grad["probs"], **grads}
-
+    run = moe_layer_replay(layer, x0, extra=lambda: {"grad_probs": probs_grad["probs"]})
     result = assert_replays_bit_exact(run, replays=3)
     assert len(result) >= 5
 

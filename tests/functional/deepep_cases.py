@@ -219,7 +219,7 @@ def moe_layer_matches_alltoall() -> None:
 @case
 def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
     """Issue-4 GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention."""
-    from tests.determinism.harness import assert_replays_bit_exact, count_differing_replays
+    from tests.determinism.harness import assert_replays_bit_exact, count_differing_replays, moe_layer_replay
 
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
@@ -228,21 +228,7 @@ def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
     x0 = torch.randn(1024, 1, shape.hidden, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16).cuda()
     for deterministic in (True, False):
         dv2.configure(layout="expand", backend="deepep", deterministic=deterministic)
-        layer = build_moe_layer(shape, "deepepv2", seed=9)
-        initial = [p.detach().clone() for p in layer.parameters()]
-
-        def run() -> dict[str, torch.Tensor]:
-            with torch.no_grad():
-                for param, value in zip(layer.parameters(), initial):
-                    param.copy_(value)
-            layer.zero_grad(set_to_none=True)
-            x = x0.clone().requires_grad_()
-            y, _ = layer(x)
-            y.float().pow(2).mean().backward()
-            torch.cuda.synchronize()
-            return {"output": y, "grad_input": x.grad,
-                    **{f"grad_{n}": p.grad for n, p in layer.named_parameters() if p.grad is not None}}
-
+        run = moe_layer_replay(build_moe_layer(shape, "deepepv2", seed=9), x0)
         if deterministic:
             assert_replays_bit_exact(run, replays=3)
         else:
