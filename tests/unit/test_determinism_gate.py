@@ -69,7 +69,8 @@ def test_source_change_without_test_change_fails(repo: Path) -> None:
 
 def test_source_change_with_test_change_passes(repo: Path) -> None:
     (repo / "megatron_deepepv2/ops.py").write_text((repo / "megatron_deepepv2/ops.py").read_text() + "# edit\n")
-    (repo / "tests/determinism/test_ops.py").write_text("def test_ops():\n    assert True is True\n")
+    test_file = repo / "tests/determinism/test_ops.py"
+    test_file.write_text(test_file.read_text() + "# replay case updated with the source\n")
     _commit(repo)
     done = _gate(repo, "--base-ref", "main")
     assert done.returncode == 0, done.stdout
