@@ -8,7 +8,11 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test gate clean
+# Older megatron-core releases the integration is checked against (make test-compat; CI runs it too).
+COMPAT_MCORE ?= 0.17.1 0.18.2
+COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_run_entry_point.py tests/unit/test_demo.py tests/determinism
+
+.PHONY: venv demo test test-compat clean
 
 venv: $(STAMP)
 
@@ -26,5 +30,14 @@ test: $(STAMP)
 	$(PY) tools/check_kernel_determinism_coverage.py --all
 	$(PY) -m pytest -n auto -q $(PYTEST_ARGS)
 
+test-compat:
+	@for v in $(COMPAT_MCORE); do \
+	  env=.venv-mcore-$$v; \
+	  test -x $$env/bin/python || $(PYTHON) -m venv $$env || exit 1; \
+	  $$env/bin/python -m pip install --quiet -e '.[test]' "megatron-core==$$v" pyyaml || exit 1; \
+	  echo "== megatron-core $$v"; \
+	  $$env/bin/python -m pytest -n auto -q $(COMPAT_TESTS) || exit 1; \
+	done
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-mcore-* build *.egg-info

@@ -41,6 +41,16 @@ def alignment_for(config) -> int:
     return max(int(moe_utils.get_align_size_for_quantization(config)), 1)
 
 
+def configured_num_sms(config) -> int:
+    """Megatron's SM setting for the dispatcher kernels, 0 when unset.
+
+    ``moe_flex_dispatcher_num_sms`` on megatron-core >= 0.19; ``moe_deepep_num_sms`` (default 20) before.
+    """
+    if hasattr(config, "moe_flex_dispatcher_num_sms"):
+        return int(config.moe_flex_dispatcher_num_sms or 0)
+    return int(getattr(config, "moe_deepep_num_sms", 0) or 0)
+
+
 def permute_pads(config) -> bool:
     """Whether Megatron's permute pads per-expert blocks itself (TE fused permute-and-pad with an align size)."""
     return bool(
@@ -121,7 +131,7 @@ class _DeepepV2Manager(_DeepepManager):
         self.layout = settings.layout
         self.backend_name = resolve_backend(settings.backend).name  # fails early for an explicit backend
         self.expert_alignment = alignment_for(config) if self.layout is ExpertLayout.EXPAND else 1
-        self.num_sms = config.moe_flex_dispatcher_num_sms or settings.num_sms or 0
+        self.num_sms = configured_num_sms(config) or settings.num_sms or 0
 
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None

@@ -20,6 +20,10 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron_deepepv2"])
 
 
+_INIT_FAILED = "process-group initialisation failed:\n"
+_INIT_ATTEMPTS = 3
+
+
 class RankFailure(AssertionError):
     """A rank of a distributed test raised; the message holds its traceback."""
 
@@ -45,6 +49,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             world_size=world_size,
             timeout=timedelta(seconds=60),
         )
+    except BaseException:  # noqa: BLE001 - e.g. the port was taken between choosing and binding it
+        results.put((rank, False, _INIT_FAILED + traceback.format_exc()))
+        return
+    try:
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
@@ -76,8 +84,22 @@ def run_distributed(
         The return values, indexed by rank.
 
     Raises:
-        RankFailure: If any rank raised (first failing rank's traceback), or the run timed out.
+        RankFailure: If any rank raised (first failing rank's traceback), or the run timed out. A failed
+            process-group start (a port taken between choosing and binding it) is retried with a new port.
     """
+    for attempt in range(_INIT_ATTEMPTS):
+        outcomes = _run_once(fn, world_size, args, timeout, env)
+        init_failed = any(not ok and str(v).startswith(_INIT_FAILED) for ok, v in outcomes.values())
+        if not init_failed or attempt == _INIT_ATTEMPTS - 1:
+            break
+    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    if failures:
+        rank = min(failures)
+        raise RankFailure(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict | None) -> dict[int, tuple[bool, Any]]:
     port = free_port()
     results = _CONTEXT.Queue()
     procs = [
@@ -103,8 +125,4 @@ def run_distributed(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
-    if failures:
-        rank = min(failures)
-        raise RankFailure(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
-    return [outcomes[r][1] for r in range(world_size)]
+    return outcomes

@@ -193,29 +193,53 @@ def test_cli_accepts_deepepv2() -> None:
 def _install_twice(rank: int, world: int) -> list[str]:
     _setup()
     import megatron_deepepv2
-    from megatron.core.models.common import utils as common_utils
     from megatron.core.transformer.moe import moe_layer, moe_utils
 
     first = megatron_deepepv2.install()
-    dispatcher, free_input, skip = moe_layer.MoEFlexTokenDispatcher, common_utils.should_free_input, moe_utils.skip_routed_expert_padding
+    home = _should_free_input_module()
+    dispatcher, free_input = moe_layer.MoEFlexTokenDispatcher, home.should_free_input
+    skip = getattr(moe_utils, "skip_routed_expert_padding", None)
     second = megatron_deepepv2.install()
     assert second is first
-    assert moe_layer.MoEFlexTokenDispatcher is dispatcher and common_utils.should_free_input is free_input
-    assert moe_utils.skip_routed_expert_padding is skip
+    assert moe_layer.MoEFlexTokenDispatcher is dispatcher and home.should_free_input is free_input
+    assert getattr(moe_utils, "skip_routed_expert_padding", None) is skip
     return first.patches
+
+
+def _should_free_input_module():
+    """Where this megatron-core defines should_free_input (0.19: models.common.utils; 0.17/0.18: gpt callables)."""
+    import importlib
+
+    for name in ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "should_free_input"):
+            return module
+    raise AssertionError("should_free_input not found")
+
+
+def _has_skip_padding_hook() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return hasattr(moe_utils, "skip_routed_expert_padding")
 
 
 def test_install_is_idempotent_and_lists_patches() -> None:
     (patches,) = run_distributed(_install_twice, 1)
     assert any("MoEFlexTokenDispatcher" in p for p in patches)
     assert any("should_free_input" in p for p in patches)
-    assert any("skip_routed_expert_padding" in p for p in patches)
+    assert any("build_transformer_layer_callables" in p for p in patches)
+    # megatron-core 0.17 has no skip_routed_expert_padding hook (its experts' FP8 padding is a no-op on aligned blocks).
+    assert any("skip_routed_expert_padding" in p for p in patches) == _has_skip_padding_hook()
 
 
 def _backend_string_checks(rank: int, world: int) -> None:
     _setup()
-    from megatron.core.models.common.utils import should_free_input
     from megatron.core.transformer.moe import moe_utils
+
+    should_free_input = _should_free_input_module().should_free_input
 
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
 
@@ -225,9 +249,10 @@ def _backend_string_checks(rank: int, world: int) -> None:
     for node in ("moe_dispatch", "moe_combine", "mlp"):
         assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
     assert should_free_input("moe_dispatch", True, v2, 4) is False  # dispatch input kept for backward
-    assert moe_utils.skip_routed_expert_padding(v2) is True  # expand layout pads already
-    alltoall = transformer_config(TinyMoEConfig(), "alltoall")
-    assert moe_utils.skip_routed_expert_padding(alltoall) is False
+    if _has_skip_padding_hook():
+        assert moe_utils.skip_routed_expert_padding(v2) is True  # expand layout pads already
+        alltoall = transformer_config(TinyMoEConfig(), "alltoall")
+        assert moe_utils.skip_routed_expert_padding(alltoall) is False
 
 
 def test_backend_string_checks_treat_deepepv2_like_deepep() -> None:
