@@ -279,6 +279,30 @@ def _wrap_skip_padding(original: Callable) -> Callable:
     return skip_routed_expert_padding
 
 
+#: Module-level functions wrapped by install(): (modules that define or import it, name, wrapper, description).
+#: A name missing from a release (e.g. skip_routed_expert_padding before 0.18) is skipped.
+_FUNCTION_PATCHES: tuple[tuple[list[str], str, Callable[[Callable], Callable], str], ...] = (
+    (
+        ["megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"],
+        "should_free_input",
+        _wrap_should_free_input,
+        "should_free_input treats deepepv2 like deepep",
+    ),
+    (
+        ["megatron.core.models.gpt.fine_grained_callables", "megatron.core.models.common.fine_grained_callables"],
+        "build_transformer_layer_callables",
+        _wrap_build_callables,
+        "build_transformer_layer_callables treats deepepv2 like deepep",
+    ),
+    (
+        ["megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.experts"],
+        "skip_routed_expert_padding",
+        _wrap_skip_padding,
+        "skip_routed_expert_padding: no second padding after deepepv2",
+    ),
+)
+
+
 # ----------------------------------------------------------------------------------------------
 def install() -> InstallReport:
     """Teaches the installed megatron-core the ``deepepv2`` flex-dispatcher backend.
@@ -317,24 +341,9 @@ def install() -> InstallReport:
         report.patches.append("TransformerConfig.__post_init__ validates deepepv2")
         _install_dispatcher()
         report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
-        if _replace_function(
-            ["megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"],
-            "should_free_input",
-            _wrap_should_free_input,
-        ):
-            report.patches.append("should_free_input treats deepepv2 like deepep")
-        if _replace_function(
-            ["megatron.core.models.gpt.fine_grained_callables", "megatron.core.models.common.fine_grained_callables"],
-            "build_transformer_layer_callables",
-            _wrap_build_callables,
-        ):
-            report.patches.append("build_transformer_layer_callables treats deepepv2 like deepep")
-        if _replace_function(
-            ["megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.experts"],
-            "skip_routed_expert_padding",
-            _wrap_skip_padding,
-        ):
-            report.patches.append("skip_routed_expert_padding: no second padding after deepepv2")
+        for modules, name, make_wrapper, description in _FUNCTION_PATCHES:
+            if _replace_function(modules, name, make_wrapper):
+                report.patches.append(description)
         logger.info("megatron-deepepv2 installed into megatron-core %s: %s", version, "; ".join(report.patches))
         _report = report
         return report

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_deepepv2._dist import all_reduce_max
 from megatron_deepepv2.backends.base import (
     BackendLimits,
+    BufferSpec,
     CombineOutput,
     CompletedEvent,
     DispatchBackend,
@@ -153,7 +154,7 @@ class ReferenceBackend(DispatchBackend):
         combine_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
     )
 
-    def __init__(self, group: dist.ProcessGroup, spec: Any) -> None:
+    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
         super().__init__(group, spec)
         # Collective like every buffer construction: a rank that builds alone blocks here instead of
         # corrupting a later exchange. Also materialises a lazy NCCL communicator.
@@ -196,8 +197,12 @@ class ReferenceBackend(DispatchBackend):
 
     def _plan_expand(
         self, plan: _RoutingPlan, expert_alignment: int, num_local_experts: int
-    ) -> torch.Tensor:
-        """Places every local selection in the expand layout; returns aligned tokens per expert."""
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Places every local selection in the expand layout.
+
+        Returns:
+            Aligned tokens per expert, on the device and as a host list (one device-to-host copy).
+        """
         recv_idx = plan.recv_local_idx
         num_rows, num_topk = recv_idx.shape
         device = recv_idx.device
@@ -205,15 +210,15 @@ class ReferenceBackend(DispatchBackend):
         # Stable sort by expert keeps received-row order (= global source order) inside each expert.
         order = torch.sort(flat_expert, stable=True).indices
         counts = _local_expert_counts(flat_expert, num_local_experts)
-        num_selected = int(counts.sum().item())
+        aligned = _align_up(counts, expert_alignment)
+        counts_host, aligned_host = torch.stack([counts, aligned]).tolist()
+        num_selected, num_expanded = sum(counts_host), sum(aligned_host)
         selection = order[:num_selected]
         expert = flat_expert[selection]
-        aligned = _align_up(counts, expert_alignment)
         aligned_starts = torch.cumsum(aligned, 0) - aligned
         unaligned_starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(num_selected, device=device) - unaligned_starts[expert]
         positions = aligned_starts[expert] + rank_in_expert
-        num_expanded = int(aligned.sum().item())
 
         expand_rows = torch.full((num_rows * num_topk,), num_expanded, dtype=torch.int64, device=device)
         expand_rows[selection] = positions
@@ -222,7 +227,7 @@ class ReferenceBackend(DispatchBackend):
         plan.expand_src_rows = torch.div(selection, num_topk, rounding_mode="floor")
         plan.expand_selection = selection
         plan.num_expanded_rows = num_expanded
-        return aligned
+        return aligned, aligned_host
 
     # ------------------------------------------------------------------------------------------
     # Layout helpers
@@ -282,7 +287,6 @@ class ReferenceBackend(DispatchBackend):
         data = list(x) if is_fp8 else [x]
         num_tokens = topk_idx.shape[0]
         num_local_experts = num_experts // self.group_size
-        device = topk_idx.device
 
         token, send_counts, owner_rows, slot_rows = self._plan_send(topk_idx, num_experts)
         recv_counts = torch.empty_like(send_counts)
@@ -312,15 +316,15 @@ class ReferenceBackend(DispatchBackend):
             owner_rows=owner_rows,
         )
         if layout is ExpertLayout.EXPAND:
-            tokens_per_expert = self._plan_expand(plan, expert_alignment, num_local_experts)
+            tokens_per_expert, tokens_per_expert_list = self._plan_expand(plan, expert_alignment, num_local_experts)
             recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan)
             out_idx, num_recv_rows = None, plan.num_expanded_rows
         else:
             counts = _local_expert_counts(recv_local_idx.flatten(), num_local_experts)
             tokens_per_expert = _align_up(counts, expert_alignment)
+            tokens_per_expert_list = tokens_per_expert.tolist()
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
-        tokens_per_expert = tokens_per_expert.to(device=device, dtype=torch.int64)
         handle = DispatchHandle(
             backend=self,
             layout=layout,
@@ -332,7 +336,7 @@ class ReferenceBackend(DispatchBackend):
             num_topk=topk_idx.shape[1],
             num_recv_rows=num_recv_rows,
             tokens_per_expert=tokens_per_expert,
-            tokens_per_expert_list=tokens_per_expert.tolist(),
+            tokens_per_expert_list=tokens_per_expert_list,
             native=plan,
         )
         return DispatchOutput(recv_x, out_idx, recv_weights, handle, CompletedEvent())
