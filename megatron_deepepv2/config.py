@@ -12,6 +12,7 @@ tests change settings with :func:`configure` or, temporarily, :func:`settings_ov
 | ``deterministic`` | ``MEGATRON_DEEPEPV2_DETERMINISTIC`` | off |
 | ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 0 (Megatron's ``moe_flex_dispatcher_num_sms`` wins) |
 | ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
+| ``no_host_sync`` | ``MEGATRON_DEEPEPV2_NO_HOST_SYNC`` | off (dispatch waits on the host for exact sizes) |
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class DeepepV2Settings:
             reductions).
         num_sms: SMs for DeepEP's communication kernels (0 = Megatron's setting, else DeepEP's model).
         allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode. None: only when the group spans nodes.
+        no_host_sync: Dispatch without waiting on the host: outputs sized for the worst case from
+            ``num_max_tokens_per_rank``, counts kept on the device, no ``.item()``/``.tolist()`` on the path,
+            so a MoE layer can be captured in a CUDA graph. Needs the expand layout and experts that take
+            device-side counts (see :mod:`megatron_deepepv2.experts`).
     """
 
     backend: str = "auto"
@@ -55,6 +60,7 @@ class DeepepV2Settings:
     deterministic: bool = False
     num_sms: int = 0
     allow_hybrid_mode: Optional[bool] = None
+    no_host_sync: bool = False
 
     def __post_init__(self) -> None:
         self.layout = ExpertLayout.parse(self.layout)
@@ -95,7 +101,7 @@ class DeepepV2Settings:
 def _parse_env_value(name: str, raw: str) -> Any:
     variable = _ENV_PREFIX + name.upper()
     text = raw.strip().lower()
-    if name in ("validate", "deterministic", "allow_hybrid_mode"):
+    if name in ("validate", "deterministic", "allow_hybrid_mode", "no_host_sync"):
         if name == "allow_hybrid_mode" and text in ("", "auto"):
             return None
         if text in _TRUE:

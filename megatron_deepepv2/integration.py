@@ -17,6 +17,8 @@ place                                   change
 ``build_transformer_layer_callables``   deepepv2 detaches probs across schedule nodes like deepep
 ``skip_routed_expert_padding``          experts skip their own padding when deepepv2 already padded
                                         (megatron-core >= 0.18; 0.17 has no such hook)
+``MoELayer.__init__``                   with no host sync, a deepepv2 layer checks that its experts
+                                        take device-side token counts (:mod:`~megatron_deepepv2.experts`)
 ======================================  ===========================================================
 
 ``install()`` is idempotent. On a megatron-core release outside the supported range it raises; on one
@@ -225,6 +227,27 @@ def _install_dispatcher() -> None:
     moe_layer.MoEFlexTokenDispatcher = dispatcher
 
 
+def _patch_moe_layer_expert_check() -> None:
+    from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: PLC0415
+
+    original = MoELayer.__init__
+    if getattr(original, "_deepepv2_plugin", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        from megatron_deepepv2.config import get_settings  # noqa: PLC0415
+        from megatron_deepepv2.experts import check_experts_take_device_counts  # noqa: PLC0415
+
+        if is_deepepv2(self.config) and get_settings().no_host_sync:
+            check_experts_take_device_counts(self.experts, self.config)
+
+    __init__._deepepv2_plugin = True  # type: ignore[attr-defined]
+    __init__._deepepv2_original = original  # type: ignore[attr-defined]
+    MoELayer.__init__ = __init__
+
+
 def _replace_function(module_names: list[str], name: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
     """Wraps function ``name`` in every listed module that defines or imported it; returns whether any did."""
     wrapped_any = False
@@ -341,6 +364,8 @@ def install() -> InstallReport:
         report.patches.append("TransformerConfig.__post_init__ validates deepepv2")
         _install_dispatcher()
         report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
+        _patch_moe_layer_expert_check()
+        report.patches.append("MoELayer.__init__ checks no-host-sync expert support")
         for modules, name, make_wrapper, description in _FUNCTION_PATCHES:
             if _replace_function(modules, name, make_wrapper):
                 report.patches.append(description)

@@ -13,6 +13,11 @@ Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` 
 
 Choose with ``MEGATRON_DEEPEPV2_LAYOUT`` or ``megatron_deepepv2.configure(layout=...)``.
 
+No host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``, expand only): the dispatch output has the worst-case
+row count and ``get_number_of_tokens_per_expert()`` is a device tensor; nothing on this path reads a
+device value on the host, so the layer can be captured in a CUDA graph. The experts must take device
+counts (:mod:`megatron_deepepv2.experts`).
+
 Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and are not sent.
 """
 
@@ -109,6 +114,7 @@ class _DeepepV2Manager(_DeepepManager):
 
     Raises:
         ImportError: If the configured backend was named explicitly and cannot run.
+        ValueError: If no-host-sync mode is asked for with the compact layout.
     """
 
     def __init__(
@@ -132,6 +138,12 @@ class _DeepepV2Manager(_DeepepManager):
         self.backend_name = resolve_backend(settings.backend).name  # fails early for an explicit backend
         self.expert_alignment = alignment_for(config) if self.layout is ExpertLayout.EXPAND else 1
         self.num_sms = configured_num_sms(config) or settings.num_sms or 0
+        self.host_sync = not settings.no_host_sync
+        if not self.host_sync and self.layout is ExpertLayout.COMPACT:
+            raise ValueError(
+                "MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 needs the expand layout: the compact layout goes through "
+                "Megatron's permute, which sizes its output on the host. Set MEGATRON_DEEPEPV2_LAYOUT=expand."
+            )
 
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
@@ -175,12 +187,16 @@ class _DeepepV2Manager(_DeepepManager):
             num_sms=self.num_sms,
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
+            host_sync=self.host_sync,
         )
         self.handle = result.handle
         self.dispatched_indices = result.recv_topk_idx
         self.dispatched_probs = result.recv_topk_weights
-        # Host counts (already on the host: the dispatch synchronised to size its outputs).
-        self.tokens_per_expert = torch.tensor(result.handle.tokens_per_expert_list, dtype=torch.int64)
+        if self.host_sync:
+            # Host counts (already on the host: the dispatch synchronised to size its outputs).
+            self.tokens_per_expert = torch.tensor(result.handle.tokens_per_expert_list, dtype=torch.int64)
+        else:
+            self.tokens_per_expert = result.tokens_per_expert
         return result.recv_x
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
@@ -210,7 +226,8 @@ class _DeepepV2Manager(_DeepepManager):
             return super().get_restored_hidden_states_by_experts(hidden_states)
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        """Rows per local expert (alignment-padded for expand), an int64 CPU tensor."""
+        """Rows per local expert (alignment-padded for expand): int64, on the CPU, or on the device
+        without host sync."""
         return self.tokens_per_expert
 
     def combine(

@@ -37,7 +37,7 @@ class DispatchResult(NamedTuple):
         recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1. Expand: ``[N]``
             fp32, zero on padding rows. None when no weights were dispatched.
         tokens_per_expert: ``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device.
-        handle: Handle for :func:`combine`.
+        handle: Handle for :func:`combine` (``handle.num_valid_rows``: rows holding data, on the device).
     """
 
     recv_x: HiddenStates
@@ -69,6 +69,7 @@ class _DispatchFunction(torch.autograd.Function):
         zero_padding: bool,
         async_finish: bool,
         allocate_on_comm_stream: bool,
+        host_sync: bool,
     ):
         previous_event = _previous_event(backend, allocate_on_comm_stream)
         out = backend.dispatch(
@@ -82,6 +83,7 @@ class _DispatchFunction(torch.autograd.Function):
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
             previous_event=previous_event,
+            host_sync=host_sync,
         )
         out.event.wait()
         recv_x, recv_scales = out.recv_x if x_scales is not None else (out.recv_x, None)
@@ -129,7 +131,7 @@ class _DispatchFunction(torch.autograd.Function):
             previous_event=previous_event,
         )
         out.event.wait()
-        return out.x, None, out.topk_weights, None, None, None, None, None, None, None, None
+        return out.x, None, out.topk_weights, None, None, None, None, None, None, None, None, None
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -178,6 +180,7 @@ def dispatch(
     num_sms: Optional[int] = None,
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
+    host_sync: Optional[bool] = None,
 ) -> DispatchResult:
     """Sends tokens to the ranks of their experts (differentiable in ``x`` and ``topk_weights``).
 
@@ -197,6 +200,11 @@ def dispatch(
         async_finish: Let communication finish asynchronously (the op still orders the current stream
             after it before returning, as Megatron's fused ops do).
         allocate_on_comm_stream: Allocate outputs on the communication stream (DeepEP).
+        host_sync: Let the dispatch wait on the host for exact output sizes (default: on unless the
+            ``no_host_sync`` setting is set). False: worst-case sizes from the buffer capacity, valid rows
+            first, counts on the device, no device-to-host copy in forward or backward (CUDA-graph
+            capturable once the buffer exists). Rows past ``handle.num_valid_rows`` have expert id -1
+            and weight 0.
 
     Returns:
         The received rows, routing, tokens per local expert and the handle.
@@ -209,6 +217,7 @@ def dispatch(
     settings = get_settings()
     group = group if group is not None else dist.group.WORLD
     layout = ExpertLayout.parse(layout)
+    host_sync = not settings.no_host_sync if host_sync is None else bool(host_sync)
     backend_cls = resolve_backend(backend or settings.backend)
     if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
         topk_weights = topk_weights.float().contiguous()
@@ -227,7 +236,7 @@ def dispatch(
         num_max_tokens_per_rank=num_max_tokens_per_rank,
         check_values=settings.validate,
     )
-    problem = problem or backend_cls.preflight()
+    problem = problem or backend_cls.preflight(host_sync=host_sync, deterministic=settings.deterministic)
     num_tokens = topk_idx.shape[0] if problem is None else 0
     max_tokens = validation.raise_on_every_rank(problem, group, agree=settings.validate, num_tokens=num_tokens)
 
@@ -255,6 +264,7 @@ def dispatch(
         zero_padding,
         async_finish,
         allocate_on_comm_stream,
+        host_sync,
     )
     if scales is not None:
         recv_x = (recv_x, recv_scales)
@@ -285,6 +295,8 @@ def combine(
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
-    problem = validation.check_combine_inputs(x, handle, None) or handle.backend.preflight()
+    problem = validation.check_combine_inputs(x, handle, None) or handle.backend.preflight(
+        host_sync=handle.host_sync, deterministic=handle.backend.spec.deterministic
+    )
     validation.raise_on_every_rank(problem, handle.backend.group, agree=get_settings().validate)
     return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)

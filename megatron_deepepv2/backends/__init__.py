@@ -25,6 +25,7 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
+    worst_case_recv_rows,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
 from megatron_deepepv2.backends.reference import ReferenceBackend
@@ -107,4 +108,5 @@ __all__ = [
     "backend_names",
     "register_backend",
     "resolve_backend",
+    "worst_case_recv_rows",
 ]

@@ -19,6 +19,14 @@ The semantics mirror ``deep_ep.ElasticBuffer`` (DeepEP 2.1.0):
   (apply router probabilities before combine), returning ``[T, H]``. Weights passed to combine are
   gathered back per top-k slot from the rank that owns the slot's expert.
 * **cached dispatch** repeats a dispatch's routing for new data (combine backward).
+* **host sync**: by default a dispatch waits on the host for the received row counts and returns outputs of
+  the exact size plus the per-expert counts as a host list. With ``host_sync=False`` nothing waits: outputs
+  are sized for the worst case from the buffer's ``num_max_tokens_per_rank`` (compact ``G * T_max`` rows,
+  expand ``align(G * T_max * min(K, E_local) + (alignment - 1) * E_local, alignment)`` rows for a group of
+  ``G`` ranks), valid rows come first, and the valid extent and the per-expert counts stay on the device
+  (:attr:`DispatchHandle.num_valid_rows`, :attr:`DispatchHandle.tokens_per_expert`). Rows past the valid
+  extent carry expert id ``-1`` and weight 0 (their hidden states are unspecified). Such a dispatch can be
+  captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -154,9 +162,12 @@ class DispatchHandle:
         zero_padding: Whether expand padding rows are zero-filled.
         num_tokens: Rows of the dispatch input on this rank (``T``); combine returns this many rows.
         num_topk: Top-k of the routing (``K``).
-        num_recv_rows: Rows of the received tensor.
+        num_recv_rows: Rows of the received tensor (the worst case without host sync).
         tokens_per_expert: Alignment-padded row count of each local expert, int64 on the input's device.
-        tokens_per_expert_list: The same counts on the host.
+        tokens_per_expert_list: The same counts on the host; None when the dispatch did not sync the host.
+        num_valid_rows: 0-dim int64 on the input's device: rows holding data (compact: received rows;
+            expand: the sum of ``tokens_per_expert``). Equals ``num_recv_rows`` with host sync.
+        host_sync: Whether the dispatch synchronised the host (exact sizes, host counts).
         native: Backend-private routing state (a DeepEP ``EPHandle``, or the reference backend's plan).
     """
 
@@ -170,7 +181,9 @@ class DispatchHandle:
     num_topk: int
     num_recv_rows: int
     tokens_per_expert: torch.Tensor
-    tokens_per_expert_list: list[int]
+    tokens_per_expert_list: Optional[list[int]]
+    num_valid_rows: torch.Tensor
+    host_sync: bool
     native: Any = field(repr=False)
 
 
@@ -207,6 +220,36 @@ class CombineOutput(NamedTuple):
     event: CommEvent
 
 
+def worst_case_recv_rows(
+    layout: ExpertLayout,
+    *,
+    group_size: int,
+    num_max_tokens_per_rank: int,
+    num_topk: int,
+    num_local_experts: int,
+    expert_alignment: int = 1,
+) -> int:
+    """Rows a dispatch without host sync allocates (DeepEP 2.1.0's worst case, which every backend uses).
+
+    Args:
+        layout: Receive layout.
+        group_size: Ranks in the group (``G``).
+        num_max_tokens_per_rank: The buffer's token capacity (``T_max``).
+        num_topk: Top-k of the routing (``K``).
+        num_local_experts: Experts per rank (``E_local``).
+        expert_alignment: Expand-layout block alignment.
+
+    Returns:
+        ``G * T_max`` for compact; ``align(G * T_max * min(K, E_local) + (alignment - 1) * E_local,
+        alignment)`` for expand.
+    """
+    if layout is ExpertLayout.COMPACT:
+        return group_size * num_max_tokens_per_rank
+    rows = group_size * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+    rows += (expert_alignment - 1) * num_local_experts
+    return -(-rows // expert_alignment) * expert_alignment
+
+
 class DispatchBackend(ABC):
     """A communication buffer that dispatches tokens to experts and combines them back.
 
@@ -239,8 +282,12 @@ class DispatchBackend(ABC):
         return None
 
     @classmethod
-    def preflight(cls) -> Optional[Exception]:
-        """Process-state problems that would make this backend fail mid-communication, checked first.
+    def preflight(cls, *, host_sync: bool = True, deterministic: bool = False) -> Optional[Exception]:
+        """Process-state and mode problems that would make this backend fail mid-communication, checked first.
+
+        Args:
+            host_sync: Whether the dispatch may synchronise the host.
+            deterministic: Whether deterministic mode is on.
 
         Returns:
             An exception describing the problem and its fix, or None.
@@ -261,6 +308,7 @@ class DispatchBackend(ABC):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
         previous_event: Optional[Any] = None,
+        host_sync: bool = True,
     ) -> DispatchOutput:
         """Sends each token to the ranks hosting its selected experts.
 
@@ -277,6 +325,8 @@ class DispatchBackend(ABC):
             async_finish: Return before the communication finished; wait on the returned event.
             allocate_on_comm_stream: Allocate outputs on the communication stream.
             previous_event: Event the communication must wait for (with ``allocate_on_comm_stream``).
+            host_sync: Wait on the host for exact sizes; False sizes outputs for the worst case and keeps
+                counts on the device (see the module docstring).
 
         Returns:
             The received tensors, the handle and the completion event.

@@ -202,7 +202,14 @@ class DeepEPBackend(DispatchBackend):
         return _deepep_unavailable_reason()
 
     @classmethod
-    def preflight(cls) -> Optional[Exception]:
+    def preflight(cls, *, host_sync: bool = True, deterministic: bool = False) -> Optional[Exception]:
+        if deterministic and not host_sync:
+            return ValueError(
+                "Dispatch without host sync cannot be combined with deterministic mode on the DeepEP backend: "
+                "DeepEP 2.1.0's deterministic sort selects rows with boolean masks, which synchronises the host "
+                "(and fails in CUDA-graph capture). Turn off MEGATRON_DEEPEPV2_NO_HOST_SYNC or "
+                "MEGATRON_DEEPEPV2_DETERMINISTIC (the reference backend supports both together)."
+            )
         # DeepEP asserts (bare AssertionError, at every dispatch/combine) that torch deterministic algorithms
         # and fill_uninitialized_memory are not both on; the latter defaults to True.
         if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
@@ -217,8 +224,15 @@ class DeepEPBackend(DispatchBackend):
     # ------------------------------------------------------------------------------------------
     def _wrap(self, layout: ExpertLayout, native_handle: Any, num_tokens: int, num_topk: int,
               num_experts: int, expert_alignment: int, zero_padding: bool, num_recv_rows: int,
-              device: torch.device) -> DispatchHandle:
-        counts = list(native_handle.num_recv_tokens_per_expert_list)
+              host_sync: bool) -> DispatchHandle:
+        expand = layout is ExpertLayout.EXPAND
+        tokens_per_expert = aligned_counts_from_psum(
+            native_handle.psum_num_recv_tokens_per_expert, expert_alignment, expand
+        )
+        if expand:
+            num_valid_rows = tokens_per_expert.sum()
+        else:
+            num_valid_rows = native_handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
         return DispatchHandle(
             backend=self,
             layout=layout,
@@ -229,10 +243,10 @@ class DeepEPBackend(DispatchBackend):
             num_tokens=num_tokens,
             num_topk=num_topk,
             num_recv_rows=num_recv_rows,
-            tokens_per_expert=aligned_counts_from_psum(
-                native_handle.psum_num_recv_tokens_per_expert, expert_alignment, layout is ExpertLayout.EXPAND
-            ),
-            tokens_per_expert_list=counts,
+            tokens_per_expert=tokens_per_expert,
+            tokens_per_expert_list=list(native_handle.num_recv_tokens_per_expert_list) if host_sync else None,
+            num_valid_rows=num_valid_rows,
+            host_sync=host_sync,
             native=native_handle,
         )
 
@@ -253,6 +267,7 @@ class DeepEPBackend(DispatchBackend):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
         previous_event: Optional[Any] = None,
+        host_sync: bool = True,
     ) -> DispatchOutput:
         expand = layout is ExpertLayout.EXPAND
         recv_x, recv_idx, recv_weights, native_handle, event = self.buffer.dispatch(
@@ -268,14 +283,37 @@ class DeepEPBackend(DispatchBackend):
             allocate_on_comm_stream=allocate_on_comm_stream,
             do_expand=expand,
             do_zero_padding=zero_padding and expand,
+            do_cpu_sync=host_sync,
         )
         rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         handle = self._wrap(
             layout, native_handle, topk_idx.shape[0], topk_idx.shape[1], num_experts, expert_alignment,
-            zero_padding, rows.shape[0], rows.device,
+            zero_padding, rows.shape[0], host_sync,
         )
-        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle,
-                              self._event(event, async_finish))
+        wrapped_event = self._event(event, async_finish)
+        if not host_sync:
+            # Rows past the valid extent are uninitialised: give them expert id -1 and weight 0 (as the
+            # contract says) once the dispatch has finished writing them.
+            wrapped_event.wait()
+            wrapped_event = CompletedEvent()
+            recv_idx, recv_weights = self._mask_unused_rows(recv_idx, recv_weights, handle.num_valid_rows)
+        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, wrapped_event)
+
+    @staticmethod
+    def _mask_unused_rows(
+        recv_idx: Optional[torch.Tensor], recv_weights: Optional[torch.Tensor], num_valid_rows: torch.Tensor
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Expert id -1 and weight 0 on rows past ``num_valid_rows`` (device-side, no host sync)."""
+        reference = recv_idx if recv_idx is not None else recv_weights
+        if reference is None:
+            return recv_idx, recv_weights
+        used = torch.arange(reference.shape[0], device=reference.device) < num_valid_rows
+        if recv_idx is not None:
+            recv_idx = recv_idx.masked_fill_(~used.unsqueeze(1), -1)
+        if recv_weights is not None:
+            mask = ~used if recv_weights.dim() == 1 else ~used.unsqueeze(1)
+            recv_weights = recv_weights.masked_fill_(mask, 0.0)
+        return recv_idx, recv_weights
 
     def cached_dispatch(
         self,

@@ -5,9 +5,17 @@ machines without DeepEP (``MEGATRON_DEEPEPV2_BACKEND=reference``), and the test 
 oracle for the DeepEP adapter.
 
 How it works: every dispatch computes a *routing plan* with vectorised index operations (no Python
-loop over tokens or experts), exchanges the per-rank row counts, then moves all row data -- hidden
-states, FP8 scales, expert ids, weights and source indices, packed side by side as bytes -- in **one**
-``all_to_all_single``. Combine moves the rows back in one ``all_to_all_single`` and reduces them.
+loop over tokens or experts) and moves all row data -- hidden states, FP8 scales, expert ids, weights and
+source indices, packed side by side as bytes -- in **one** ``all_to_all_single``. Combine moves the rows
+back in one ``all_to_all_single`` and reduces them. Two transports:
+
+* with host sync (the default) the ranks first exchange row counts, read them on the host and send
+  exactly the rows each destination needs; outputs have exact sizes;
+* without host sync every rank sends a fixed block of ``T_max`` rows to every rank (token ``t`` in row
+  ``t`` of the block, unused rows zero, a flag byte marking used ones), so no count is read on the host.
+  The receiver packs the used rows to the front with device-side prefix sums; outputs have the
+  worst-case sizes of :func:`~megatron_deepepv2.backends.base.worst_case_recv_rows`. Over NCCL this path
+  can be captured in a CUDA graph.
 
 Deterministic by construction: received rows come in source-rank-major order (tokens ascending
 inside each source), which is exactly DeepEP's order with ``deterministic=True``; expand rows are
@@ -16,7 +24,8 @@ accumulation over the top-k slots in slot order, one cast at the end, as DeepEP'
 Running the same inputs twice gives bit-identical outputs whatever the thread scheduling.
 
 Padding rows of the expand layout are always zero (with or without ``zero_padding``), which the
-contract allows: without ``zero_padding`` their content is unspecified.
+contract allows: without ``zero_padding`` their content is unspecified. So are rows past the valid
+extent without host sync.
 """
 
 from __future__ import annotations
@@ -39,34 +48,74 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
+    worst_case_recv_rows,
 )
+
+
+@dataclass(eq=False)
+class _Transport:
+    """How the rows of one routing travel (dispatch direction: sender -> receiver; combine: back).
+
+    With host sync the sent rows are packed per destination (``send_splits`` / ``recv_splits`` exact).
+    Without it, every destination gets a block of ``T_max`` rows: ``send_rows`` places each sent row in
+    the send buffer and ``recv_positions`` moves each received row to its output row (used rows first).
+    """
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    send_rows: Optional[torch.Tensor] = None  # blocked: send-buffer row of each sent row
+    recv_positions: Optional[torch.Tensor] = None  # blocked: output row of each received block row
+
+    @property
+    def blocked(self) -> bool:
+        return self.send_rows is not None
+
+    def send_blocks(self, packed: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """Blocked transport: places packed rows in the per-destination blocks and exchanges them.
+
+        Rows of unused (token, destination) pairs carry the position one past the blocks and are dropped.
+        """
+        block = packed.new_zeros((sum(self.send_splits) + 1, packed.shape[1]))
+        block[self.send_rows] = packed
+        return _all_to_all(block[:-1], self.send_splits, self.recv_splits, group)
+
+    def send(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+        """Dispatch direction: rows in send order -> rows in receive (output) order."""
+        if not self.blocked:
+            return _exchange_rows(tensors, self.send_splits, self.recv_splits, group)
+        received = self.send_blocks(_pack(tensors), group)
+        ordered = torch.empty_like(received)
+        ordered[self.recv_positions] = received
+        return _unpack(ordered, tensors)
+
+    def send_back(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+        """Combine direction: rows in receive order -> rows in send-buffer row space of the source."""
+        if not self.blocked:
+            return _exchange_rows(tensors, self.recv_splits, self.send_splits, group)
+        packed = _pack(tensors)[self.recv_positions]
+        returned = _all_to_all(packed, self.recv_splits, self.send_splits, group)
+        return _unpack(returned, tensors)
 
 
 @dataclass(eq=False)
 class _RoutingPlan:
     """Routing of one dispatch, enough to replay it and to reverse it.
 
-    Row indices named ``*_rows`` address the rows a combine gets back (one per sent row), with the
-    value ``num_sent`` pointing at an appended zero row, so reductions need no masking.
+    Row indices named ``*_rows`` address the rows a combine gets back (one per send-buffer row), with
+    the value ``num_returned`` pointing at an appended zero row, so reductions need no masking.
     """
 
+    transport: _Transport
     send_token_index: torch.Tensor  # [S] local token of each sent row, destination-rank-major
-    send_splits: list[int]  # rows sent to each rank
-    recv_splits: list[int]  # rows received from each rank
-    recv_local_idx: torch.Tensor  # [N, K] local expert ids, -1 elsewhere
-    recv_src_index: torch.Tensor  # [N] global source index src_rank * T_max + token
-    slot_rows: torch.Tensor  # [T, K] returned row reduced at slot k (first slot of its rank), else S
-    owner_rows: torch.Tensor  # [T, K] returned row of the rank owning slot k's expert, else S
+    recv_local_idx: torch.Tensor  # [N, K] local expert ids, -1 elsewhere (and on unused rows)
+    recv_src_index: torch.Tensor  # [N] global source index src_rank * T_max + token (-1 on unused rows)
+    slot_rows: torch.Tensor  # [T, K] returned row reduced at slot k (first slot of its rank), else sentinel
+    owner_rows: torch.Tensor  # [T, K] returned row of the rank owning slot k's expert, else sentinel
     # Expand layout only.
     expand_rows: Optional[torch.Tensor] = None  # [N, K] expanded row of each selection, N_exp if none
-    expand_positions: Optional[torch.Tensor] = None  # [M] expanded row of each valid selection
-    expand_src_rows: Optional[torch.Tensor] = None  # [M] received row of each valid selection
-    expand_selection: Optional[torch.Tensor] = None  # [M] flat (row * K + slot) of each valid selection
+    expand_positions: Optional[torch.Tensor] = None  # [N * K] expanded row of each (sorted) selection
+    expand_source: Optional[torch.Tensor] = None  # [N * K] flat (row * K + slot) of each sorted selection
     num_expanded_rows: int = 0
-
-    @property
-    def num_sent(self) -> int:
-        return int(self.send_token_index.numel())
 
 
 def _as_byte_columns(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,6 +132,28 @@ def _from_byte_columns(columns: torch.Tensor, dtype: torch.dtype, tail: Sequence
     if columns.stride() != (width, 1):  # .contiguous() keeps odd strides of size-1 dims; copy instead
         columns = columns.new_empty((rows, width)).copy_(columns)
     return columns.view(dtype).reshape(rows, *tail)
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Packs same-row-count tensors side by side as bytes ``[R, sum(row_bytes)]``."""
+    return torch.cat([_as_byte_columns(t) for t in tensors], dim=1)
+
+
+def _unpack(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack`: columns back to tensors with the dtypes and trailing shapes of ``like``."""
+    outputs, offset = [], 0
+    for tensor in like:
+        width = _row_width_bytes(tensor)
+        columns = packed[:, offset : offset + width]
+        outputs.append(_from_byte_columns(columns, tensor.dtype, tuple(tensor.shape[1:])))
+        offset += width
+    return outputs
+
+
+def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    received = rows.new_empty((sum(recv_splits), rows.shape[1]))
+    dist.all_to_all_single(received, rows, recv_splits, send_splits, group=group)
+    return received
 
 
 def _exchange_rows(
@@ -102,16 +173,7 @@ def _exchange_rows(
     Returns:
         The received tensors, same dtypes and trailing shapes, ``sum(recv_splits)`` rows each.
     """
-    packed = torch.cat([_as_byte_columns(t) for t in tensors], dim=1)
-    received = packed.new_empty((sum(recv_splits), packed.shape[1]))
-    dist.all_to_all_single(received, packed, recv_splits, send_splits, group=group)
-    outputs, offset = [], 0
-    for tensor in tensors:
-        width = _row_width_bytes(tensor)
-        columns = received[:, offset : offset + width]
-        outputs.append(_from_byte_columns(columns, tensor.dtype, tuple(tensor.shape[1:])))
-        offset += width
-    return outputs
+    return _unpack(_all_to_all(_pack(tensors), send_splits, recv_splits, group), tensors)
 
 
 def _row_width_bytes(tensor: torch.Tensor) -> int:
@@ -139,13 +201,17 @@ def _align_up(counts: torch.Tensor, alignment: int) -> torch.Tensor:
     return (counts + alignment - 1) // alignment * alignment
 
 
+def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(values, 0) - values
+
+
 class ReferenceBackend(DispatchBackend):
     """Dispatch/combine over ``torch.distributed.all_to_all_single`` (gloo, NCCL).
 
     Honours the whole contract of :class:`~megatron_deepepv2.backends.base.DispatchBackend`: compact
-    and expand layouts, expert alignment, zero padding, FP8 pairs passed through, cached dispatch and
-    combine with weights. Construction runs one barrier-like all-reduce on ``group`` so that buffer
-    (re)builds are collective exactly like DeepEP's.
+    and expand layouts, expert alignment, zero padding, FP8 pairs passed through, cached dispatch,
+    combine with weights, and dispatch with or without host sync. Construction runs one barrier-like
+    all-reduce on ``group`` so that buffer (re)builds are collective exactly like DeepEP's.
     """
 
     name: ClassVar[str] = "reference"
@@ -168,8 +234,17 @@ class ReferenceBackend(DispatchBackend):
     # ------------------------------------------------------------------------------------------
     # Routing plan
     # ------------------------------------------------------------------------------------------
-    def _plan_send(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
-        """Computes which token rows go to which rank, and where combine finds each slot's row."""
+    def _plan_send(
+        self, topk_idx: torch.Tensor, num_experts: int, host_sync: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Computes which token rows go to which rank, and where combine finds each slot's row.
+
+        Returns:
+            ``(token, dest_rank, send_counts, owner_rows, slot_rows)``: the local token and destination of
+            each sent row (destination-major, tokens ascending), rows per destination, and for each
+            (token, slot) the returned row of the slot's owning rank / of the slot where that rank's
+            contribution is reduced (a sentinel one past the last returned row otherwise).
+        """
         num_tokens, num_topk = topk_idx.shape
         world = self.group_size
         experts_per_rank = num_experts // world
@@ -180,52 +255,75 @@ class ReferenceBackend(DispatchBackend):
         sends = torch.zeros((num_tokens, world + 1), dtype=torch.bool, device=device)
         sends.scatter_(1, dest, True)
         sends = sends[:, :world]
-        dest_rank, token = sends.t().nonzero(as_tuple=True)  # destination-major, tokens ascending
-        num_sent = int(token.numel())
         send_counts = sends.sum(dim=0, dtype=torch.int64)
+        if host_sync:
+            dest_rank, token = sends.t().nonzero(as_tuple=True)  # destination-major, tokens ascending
+            num_returned = int(token.numel())
+            returned_row = torch.arange(num_returned, dtype=torch.int64, device=device)
+        else:
+            # Every (destination, token) pair has a fixed row dest * T_max + token: no data-dependent sizes.
+            capacity = self.spec.num_max_tokens_per_rank
+            dest_rank = torch.arange(world, device=device).repeat_interleave(num_tokens)
+            token = torch.arange(num_tokens, device=device).repeat(world)
+            num_returned = world * capacity
+            returned_row = torch.where(sends.t().flatten(), dest_rank * capacity + token, num_returned)
 
-        row_of = torch.full((num_tokens, world + 1), num_sent, dtype=torch.int64, device=device)
-        row_of[token, dest_rank] = torch.arange(num_sent, dtype=torch.int64, device=device)
+        row_of = torch.full((num_tokens, world + 1), num_returned, dtype=torch.int64, device=device)
+        row_of[token, dest_rank] = returned_row
         owner_rows = row_of.gather(1, dest)  # invalid slots point at column `world` = sentinel
 
         # A rank's contribution is reduced at the first top-k slot of the token that lives on it.
         same_rank = dest.unsqueeze(2) == dest.unsqueeze(1)
         earlier = torch.ones((num_topk, num_topk), dtype=torch.bool, device=device).tril(diagonal=-1)
         first_slot = valid & ~(same_rank & earlier).any(dim=2)
-        slot_rows = torch.where(first_slot, owner_rows, torch.full_like(owner_rows, num_sent))
-        return token, send_counts, owner_rows, slot_rows
+        slot_rows = torch.where(first_slot, owner_rows, torch.full_like(owner_rows, num_returned))
+        return token, returned_row, send_counts, owner_rows, slot_rows
 
     def _plan_expand(
-        self, plan: _RoutingPlan, expert_alignment: int, num_local_experts: int
-    ) -> tuple[torch.Tensor, list[int]]:
+        self, plan: _RoutingPlan, expert_alignment: int, num_local_experts: int, host_sync: bool
+    ) -> tuple[torch.Tensor, Optional[list[int]]]:
         """Places every local selection in the expand layout.
 
+        With host sync the layout has exactly the aligned rows; without, the worst-case row count, with
+        the expert blocks first.
+
         Returns:
-            Aligned tokens per expert, on the device and as a host list (one device-to-host copy).
+            Aligned tokens per expert on the device, and as a host list with host sync (else None).
         """
         recv_idx = plan.recv_local_idx
         num_rows, num_topk = recv_idx.shape
         device = recv_idx.device
         flat_expert = torch.where(recv_idx >= 0, recv_idx, num_local_experts).flatten()
-        # Stable sort by expert keeps received-row order (= global source order) inside each expert.
+        # Stable sort by expert keeps received-row order (= global source order) inside each expert;
+        # unselected entries (expert id num_local_experts) sort last.
         order = torch.sort(flat_expert, stable=True).indices
         counts = _local_expert_counts(flat_expert, num_local_experts)
         aligned = _align_up(counts, expert_alignment)
-        counts_host, aligned_host = torch.stack([counts, aligned]).tolist()
-        num_selected, num_expanded = sum(counts_host), sum(aligned_host)
-        selection = order[:num_selected]
-        expert = flat_expert[selection]
-        aligned_starts = torch.cumsum(aligned, 0) - aligned
-        unaligned_starts = torch.cumsum(counts, 0) - counts
-        rank_in_expert = torch.arange(num_selected, device=device) - unaligned_starts[expert]
-        positions = aligned_starts[expert] + rank_in_expert
+        if host_sync:
+            aligned_host = aligned.tolist()  # the only device-to-host copy of an expand dispatch
+            num_expanded = sum(aligned_host)
+        else:
+            aligned_host = None
+            num_expanded = worst_case_recv_rows(
+                ExpertLayout.EXPAND,
+                group_size=self.group_size,
+                num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
+                num_topk=num_topk,
+                num_local_experts=num_local_experts,
+                expert_alignment=expert_alignment,
+            )
+        sentinel = torch.tensor([num_expanded], dtype=torch.int64, device=device)
+        aligned_starts = torch.cat([_exclusive_cumsum(aligned), sentinel])
+        unaligned_starts = torch.cat([_exclusive_cumsum(counts), counts.sum().reshape(1)])
+        expert = flat_expert[order]
+        rank_in_expert = torch.arange(order.numel(), device=device) - unaligned_starts[expert]
+        positions = torch.where(expert < num_local_experts, aligned_starts[expert] + rank_in_expert, sentinel)
 
-        expand_rows = torch.full((num_rows * num_topk,), num_expanded, dtype=torch.int64, device=device)
-        expand_rows[selection] = positions
+        expand_rows = torch.empty_like(positions)
+        expand_rows[order] = positions
         plan.expand_rows = expand_rows.view(num_rows, num_topk)
         plan.expand_positions = positions
-        plan.expand_src_rows = torch.div(selection, num_topk, rounding_mode="floor")
-        plan.expand_selection = selection
+        plan.expand_source = order
         plan.num_expanded_rows = num_expanded
         return aligned, aligned_host
 
@@ -236,18 +334,21 @@ class ReferenceBackend(DispatchBackend):
     def _to_expanded(rows: torch.Tensor, plan: _RoutingPlan) -> torch.Tensor:
         """Copies received rows to their expand-layout positions (padding rows stay zero).
 
-        Works on bytes so that every dtype (FP8 included) takes the same path.
+        Works on bytes so that every dtype (FP8 included) takes the same path. Unselected entries all
+        land in one extra row, dropped at the end.
         """
         row_bytes = _as_byte_columns(rows)
-        out = row_bytes.new_zeros((plan.num_expanded_rows, row_bytes.shape[1]))
-        out[plan.expand_positions] = row_bytes[plan.expand_src_rows]
-        return _from_byte_columns(out, rows.dtype, tuple(rows.shape[1:]))
+        out = row_bytes.new_zeros((plan.num_expanded_rows + 1, row_bytes.shape[1]))
+        num_topk = plan.recv_local_idx.shape[1]
+        source_rows = torch.div(plan.expand_source, num_topk, rounding_mode="floor")
+        out[plan.expand_positions] = row_bytes[source_rows]
+        return _from_byte_columns(out[:-1], rows.dtype, tuple(rows.shape[1:]))
 
     @staticmethod
     def _expanded_weights(recv_weights: torch.Tensor, plan: _RoutingPlan) -> torch.Tensor:
-        out = recv_weights.new_zeros((plan.num_expanded_rows,))
-        out[plan.expand_positions] = recv_weights.flatten()[plan.expand_selection]
-        return out
+        out = recv_weights.new_zeros((plan.num_expanded_rows + 1,))
+        out[plan.expand_positions] = recv_weights.flatten()[plan.expand_source]
+        return out[:-1]
 
     def _expand_rows(
         self, recv_x: HiddenStates, recv_weights: Optional[torch.Tensor], plan: _RoutingPlan
@@ -282,47 +383,55 @@ class ReferenceBackend(DispatchBackend):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
         previous_event: Optional[Any] = None,
+        host_sync: bool = True,
     ) -> DispatchOutput:
         is_fp8 = isinstance(x, tuple)
         data = list(x) if is_fp8 else [x]
         num_tokens = topk_idx.shape[0]
         num_local_experts = num_experts // self.group_size
+        device = topk_idx.device
 
-        token, send_counts, owner_rows, slot_rows = self._plan_send(topk_idx, num_experts)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
+        token, returned_row, send_counts, owner_rows, slot_rows = self._plan_send(topk_idx, num_experts, host_sync)
         src_index = self.rank * self.spec.num_max_tokens_per_rank + token
         payload = [_take_rows(t, token) for t in data] + [topk_idx[token], src_index.unsqueeze(1)]
         if topk_weights is not None:
             payload.append(topk_weights[token])
-        received = _exchange_rows(payload, send_splits, recv_splits, self.group)
+
+        if host_sync:
+            transport, received, num_valid_rows = self._send_exact(payload, send_counts)
+        else:
+            transport, received, num_valid_rows = self._send_blocked(payload, returned_row)
         recv_x, rest = self._unpack_recv(received, is_fp8)
         recv_global_idx, recv_src = rest[0], rest[1].squeeze(1)
         recv_weights = rest[2] if topk_weights is not None else None
+        if not host_sync:  # unused rows arrive as zeros; expert id 0 there would read as a selection
+            used = torch.arange(recv_src.shape[0], device=device) < num_valid_rows
+            recv_global_idx = torch.where(used.unsqueeze(1), recv_global_idx, -1)
+            recv_src = torch.where(used, recv_src, -1)
 
         first_local = self.rank * num_local_experts
         is_local = (recv_global_idx >= first_local) & (recv_global_idx < first_local + num_local_experts)
         recv_local_idx = torch.where(is_local, recv_global_idx - first_local, torch.full_like(recv_global_idx, -1))
 
         plan = _RoutingPlan(
+            transport=transport,
             send_token_index=token,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
             recv_local_idx=recv_local_idx,
             recv_src_index=recv_src,
             slot_rows=slot_rows,
             owner_rows=owner_rows,
         )
         if layout is ExpertLayout.EXPAND:
-            tokens_per_expert, tokens_per_expert_list = self._plan_expand(plan, expert_alignment, num_local_experts)
+            tokens_per_expert, tokens_per_expert_list = self._plan_expand(
+                plan, expert_alignment, num_local_experts, host_sync
+            )
             recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan)
             out_idx, num_recv_rows = None, plan.num_expanded_rows
+            num_valid_rows = tokens_per_expert.sum()
         else:
             counts = _local_expert_counts(recv_local_idx.flatten(), num_local_experts)
             tokens_per_expert = _align_up(counts, expert_alignment)
-            tokens_per_expert_list = tokens_per_expert.tolist()
+            tokens_per_expert_list = tokens_per_expert.tolist() if host_sync else None
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
         handle = DispatchHandle(
@@ -337,9 +446,53 @@ class ReferenceBackend(DispatchBackend):
             num_recv_rows=num_recv_rows,
             tokens_per_expert=tokens_per_expert,
             tokens_per_expert_list=tokens_per_expert_list,
+            num_valid_rows=num_valid_rows,
+            host_sync=host_sync,
             native=plan,
         )
         return DispatchOutput(recv_x, out_idx, recv_weights, handle, CompletedEvent())
+
+    def _send_exact(
+        self, payload: list[torch.Tensor], send_counts: torch.Tensor
+    ) -> tuple[_Transport, list[torch.Tensor], torch.Tensor]:
+        """Exchange of a fresh dispatch with host sync: row counts first (read on the host), then the rows.
+
+        Returns:
+            The transport, the received tensors and their row count as a 0-dim device tensor.
+        """
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()
+        transport = _Transport(send_splits, recv_splits)
+        received = transport.send(payload, self.group)
+        return transport, received, torch.tensor(sum(recv_splits), dtype=torch.int64, device=send_counts.device)
+
+    def _send_blocked(
+        self, payload: list[torch.Tensor], returned_row: torch.Tensor
+    ) -> tuple[_Transport, list[torch.Tensor], torch.Tensor]:
+        """Fixed-size exchange of a fresh dispatch without host sync.
+
+        Every rank sends ``T_max`` rows to every rank, with a flag byte on the rows in use; the receiver
+        moves used rows to the front (source-rank-major, tokens ascending) with device-side prefix sums.
+        Unused rows come out zero.
+
+        Returns:
+            The transport (for replays and combine), the received tensors in output order, and the
+            number of used rows as a 0-dim device tensor.
+        """
+        splits = [self.spec.num_max_tokens_per_rank] * self.group_size
+        transport = _Transport(splits, list(splits), send_rows=returned_row)
+        flag = torch.ones((payload[0].shape[0], 1), dtype=torch.uint8, device=payload[0].device)
+        received = transport.send_blocks(_pack([flag, *payload]), self.group)
+
+        used = received[:, 0].bool()
+        num_used = used.sum()
+        transport.recv_positions = torch.where(
+            used, torch.cumsum(used, 0) - 1, num_used + torch.cumsum(~used, 0) - 1
+        )
+        ordered = torch.empty_like(received)
+        ordered[transport.recv_positions] = received
+        return transport, _unpack(ordered[:, 1:], payload), num_used
 
     def cached_dispatch(
         self,
@@ -358,7 +511,7 @@ class ReferenceBackend(DispatchBackend):
         payload = [_take_rows(t, token) for t in data]
         if topk_weights is not None:
             payload.append(topk_weights[token])
-        received = _exchange_rows(payload, plan.send_splits, plan.recv_splits, self.group)
+        received = plan.transport.send(payload, self.group)
         recv_x, rest = self._unpack_recv(received, is_fp8)
         recv_weights = rest[0] if topk_weights is not None else None
         if handle.layout is ExpertLayout.EXPAND:
@@ -392,7 +545,7 @@ class ReferenceBackend(DispatchBackend):
                 topk_weights = _append_zero_row(topk_weights.unsqueeze(1)).squeeze(1)[plan.expand_rows]
 
         payload = [x] if topk_weights is None else [x, topk_weights]
-        returned = _exchange_rows(payload, plan.recv_splits, plan.send_splits, self.group)
+        returned = plan.transport.send_back(payload, self.group)
         rows = _append_zero_row(returned[0])
         combined = torch.zeros((handle.num_tokens, x.shape[1]), dtype=acc_dtype, device=x.device)
         for slot in range(handle.num_topk):
@@ -405,4 +558,3 @@ class ReferenceBackend(DispatchBackend):
             slots = torch.arange(handle.num_topk, device=x.device)
             combined_weights = weight_rows[plan.owner_rows, slots]
         return CombineOutput(combined, combined_weights, CompletedEvent())
-

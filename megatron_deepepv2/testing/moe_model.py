@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,13 +88,22 @@ def transformer_config(shape: TinyMoEConfig, dispatcher: str):
     return TransformerConfig(**fields)
 
 
-def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234):
+def _with_experts_module(experts_spec, module: type):
+    """The local spec's experts entry with another module class (a ``partial`` from 0.19, else a ModuleSpec)."""
+    if isinstance(experts_spec, functools.partial):
+        return functools.partial(module, *experts_spec.args, **experts_spec.keywords)
+    return dataclasses.replace(experts_spec, module=module)
+
+
+def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, sync_free_experts: bool = False):
     """Builds a megatron-core ``MoELayer`` with SequentialMLP experts (no Transformer Engine needed).
 
     Args:
         shape: Layer shape.
         dispatcher: See :func:`transformer_config`.
         seed: Parameter-initialisation seed (identical across dispatchers and ranks).
+        sync_free_experts: Use :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP` (same parameters
+            as SequentialMLP, device-side token counts) for the no-host-sync mode.
 
     Returns:
         The layer, on CUDA when available else on the CPU.
@@ -106,6 +116,12 @@ def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234):
     spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
     mlp = spec.submodules.mlp
     submodules = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
+    if sync_free_experts:
+        from megatron_deepepv2.experts import SyncFreeSequentialMLP  # noqa: PLC0415
+
+        submodules = dataclasses.replace(
+            submodules, experts=_with_experts_module(submodules.experts, SyncFreeSequentialMLP)
+        )
     torch.manual_seed(seed)
     layer = MoELayer(config=config, submodules=submodules)
     return layer.cuda() if torch.cuda.is_available() else layer

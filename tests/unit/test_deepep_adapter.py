@@ -19,12 +19,15 @@ from tests.oracle import make_problem
 
 
 class _Handle:
-    def __init__(self, inner, do_expand: bool, num_sms: int) -> None:
+    def __init__(self, inner, do_expand: bool, num_sms: int, do_cpu_sync: bool) -> None:
         self.inner, self.do_expand, self.num_sms = inner, do_expand, num_sms
-        self.num_recv_tokens_per_expert_list = list(inner.tokens_per_expert_list)
+        # Without CPU sync DeepEP leaves the host list empty.
+        self.num_recv_tokens_per_expert_list = list(inner.tokens_per_expert_list) if do_cpu_sync else []
         # DeepEP's device-side prefix sums, built from the plan's real (unaligned) counts as documented:
         # compact = inclusive psum of aligned counts; expand = aligned start of expert i + its real count.
-        aligned = torch.tensor(self.num_recv_tokens_per_expert_list, dtype=torch.int32)
+        aligned = inner.tokens_per_expert.to(torch.int32)
+        rows_received = int((inner.native.recv_src_index >= 0).sum())  # tokens received, before any expand
+        self.psum_num_recv_tokens_per_scaleup_rank = torch.tensor([0, rows_received], dtype=torch.int32)
         if do_expand:
             positions = inner.native.expand_positions
             starts = torch.cumsum(aligned, 0) - aligned
@@ -69,7 +72,8 @@ class FakeElasticBuffer:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, num_max_tokens_per_rank=None,
                  expert_alignment=None, num_sms=0, previous_event=None, async_with_compute_stream=False,
-                 allocate_on_comm_stream=False, handle=None, do_expand=False, do_zero_padding=False, **rest):
+                 allocate_on_comm_stream=False, handle=None, do_expand=False, do_zero_padding=False,
+                 do_cpu_sync=None, **rest):
         from megatron_deepepv2.backends import ExpertLayout
 
         assert not rest, rest
@@ -82,13 +86,25 @@ class FakeElasticBuffer:
             assert topk_idx is None, "cached dispatch takes topk_idx from the handle"
             assert num_sms != 0, "DeepEP #685: num_sms=0 with a handle raises TypeError"
             assert do_expand == handle.do_expand, "do_expand must be passed explicitly on cached dispatch"
+            assert not do_cpu_sync, "Cannot do CPU sync with cached handle"
             out = self.ref.cached_dispatch(x, handle.inner, topk_weights)
             return out.recv_x, out.recv_topk_idx, out.recv_topk_weights, handle, _EventOverlap(async_with_compute_stream, log)
         layout = ExpertLayout.EXPAND if do_expand else ExpertLayout.COMPACT
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
         out = self.ref.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, layout=layout,
-                                expert_alignment=expert_alignment, zero_padding=do_zero_padding)
-        ep_handle = _Handle(out.handle, do_expand, num_sms or 20)
-        return out.recv_x, out.recv_topk_idx, out.recv_topk_weights, ep_handle, _EventOverlap(async_with_compute_stream, log)
+                                expert_alignment=expert_alignment, zero_padding=do_zero_padding,
+                                host_sync=do_cpu_sync)
+        ep_handle = _Handle(out.handle, do_expand, num_sms or 20, do_cpu_sync)
+        recv_idx, recv_weights = out.recv_topk_idx, out.recv_topk_weights
+        if not do_cpu_sync:  # DeepEP leaves rows past the valid extent uninitialised: make them garbage
+            tail = torch.arange(out.handle.num_recv_rows) >= out.handle.num_valid_rows
+            if recv_idx is not None:
+                recv_idx = recv_idx.clone()
+                recv_idx[tail] = 1
+            if recv_weights is not None:
+                recv_weights = recv_weights.clone()
+                recv_weights[tail] = 123.0
+        return out.recv_x, recv_idx, recv_weights, ep_handle, _EventOverlap(async_with_compute_stream, log)
 
     def combine(self, x, handle, topk_weights=None, num_sms=0, previous_event=None, async_with_compute_stream=False,
                 allocate_on_comm_stream=False, **rest):
@@ -120,13 +136,19 @@ def _adapter_worker(rank: int, world: int) -> None:
     problem = make_problem(41, [7, 0, 5, 9][:world], 8, 8, 3, dtype=torch.float32)
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
-    for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
-        kwargs = dict(num_experts=8, layout=layout, expert_alignment=4, zero_padding=layout is ExpertLayout.EXPAND)
+    for layout, host_sync in [(layout, sync) for layout in ExpertLayout for sync in (True, False)]:
+        kwargs = dict(num_experts=8, layout=layout, expert_alignment=4, zero_padding=layout is ExpertLayout.EXPAND,
+                      host_sync=host_sync)
         got, want = backend.dispatch(x, idx, w, **kwargs), reference.dispatch(x, idx, w, **kwargs)
         assert torch.equal(got.recv_x, want.recv_x)
         assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list
-        assert got.handle.tokens_per_expert.tolist() == want.handle.tokens_per_expert_list
+        assert torch.equal(got.handle.tokens_per_expert, want.handle.tokens_per_expert)
+        assert int(got.handle.num_valid_rows) == int(want.handle.num_valid_rows)
         assert got.handle.num_recv_rows == want.recv_x.shape[0]
+        # Rows past the valid extent: expert id -1 and weight 0, whatever DeepEP left there.
+        assert torch.equal(got.recv_topk_weights, want.recv_topk_weights)
+        if layout is ExpertLayout.COMPACT:
+            assert torch.equal(got.recv_topk_idx, want.recv_topk_idx)
         assert (got.recv_topk_idx is None) == (layout is ExpertLayout.EXPAND)
         combined = backend.combine(got.recv_x, got.handle, got.recv_topk_weights)
         torch.testing.assert_close(combined.x, reference.combine(want.recv_x, want.handle, want.recv_topk_weights).x)
@@ -135,7 +157,8 @@ def _adapter_worker(rank: int, world: int) -> None:
         # The autograd op with DeepEP's stream flags: previous event passed, async events waited.
         FakeElasticBuffer.calls.clear()
         xg = x.clone().requires_grad_()
-        out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, layout, 4, layout is ExpertLayout.EXPAND, True, True)
+        out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, layout, 4, layout is ExpertLayout.EXPAND,
+                                          True, True, host_sync)
         y = ops._CombineFunction.apply(out[0], out[5], True, True)
         y.sum().backward()
         for call in FakeElasticBuffer.calls:

@@ -1,0 +1,247 @@
+"""No-host-sync mode on CPU: worst-case sizing, device-side counts, no host reads, same results.
+
+The reference backend runs the mode over gloo with its fixed-block transport. Every case compares the
+no-host-sync path with the dense oracle and with the host-synchronised path, and runs the whole
+forward/backward with ``Tensor.item`` / ``Tensor.tolist`` / ``int(tensor)`` / ``bool(tensor)`` made to
+raise, so a host read anywhere on the deepepv2 path fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import pytest
+import torch
+
+import megatron_deepepv2 as dv2
+from megatron_deepepv2.backends import ExpertLayout, worst_case_recv_rows
+from tests.distributed import run_distributed
+from tests.oracle import dense_moe, experts_on_compact, experts_on_expand, make_problem
+
+HIDDEN, EXPERTS, TOPK = 16, 8, 3
+TOKENS = {2: [9, 0], 4: [7, 0, 12, 3]}
+CAPACITY = 16  # num_max_tokens_per_rank: every rank's batch fits
+
+
+class HostRead(AssertionError):
+    """A device value was read on the host inside :func:`no_host_reads`."""
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Makes every Python-level device-to-host read of a tensor raise for the block."""
+    names = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def forbid(name: str):
+        def read(self, *args, **kwargs):
+            raise HostRead(f"Tensor.{name}() read a device value on the host")
+
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, forbid(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _roundtrip(rank: int, world: int, layout: str, alignment: int) -> None:
+    dv2.configure(num_max_tokens_per_rank=CAPACITY, validate=False)  # validation reads the host by design
+    local = EXPERTS // world
+    problem = make_problem(7, TOKENS[world], HIDDEN, EXPERTS, TOPK)
+    rows = problem.rows(rank)
+    mine = slice(rank * local, (rank + 1) * local)
+    idx = problem.topk_idx[rows]
+    kwargs = dict(layout=layout, expert_alignment=alignment, zero_padding=layout == "expand")
+
+    synced = dv2.dispatch(problem.x[rows], idx, problem.topk_weights[rows], EXPERTS, **kwargs)
+    x = problem.x[rows].clone().requires_grad_()
+    w = problem.topk_weights[rows].clone().requires_grad_()
+    local_w = problem.expert_weights[mine].clone().requires_grad_()
+    with no_host_reads():
+        result = dv2.dispatch(x, idx, w, EXPERTS, host_sync=False, **kwargs)
+    handle = result.handle
+    assert handle.tokens_per_expert_list is None and not handle.host_sync
+    expected_rows = worst_case_recv_rows(
+        ExpertLayout.parse(layout), group_size=world, num_max_tokens_per_rank=CAPACITY, num_topk=TOPK,
+        num_local_experts=local, expert_alignment=alignment,
+    )
+    assert result.recv_x.shape[0] == handle.num_recv_rows == expected_rows
+    assert result.tokens_per_expert.tolist() == synced.handle.tokens_per_expert_list
+
+    # Valid rows first, identical to the synchronised output; the tail is zero, with id -1 and weight 0.
+    valid = int(handle.num_valid_rows)
+    assert valid == synced.recv_x.shape[0]
+    assert torch.equal(result.recv_x[:valid], synced.recv_x)
+    assert torch.equal(result.recv_topk_weights[:valid], synced.recv_topk_weights)
+    assert not result.recv_x[valid:].any() and not result.recv_topk_weights[valid:].any()
+    if layout == "compact":
+        assert torch.equal(result.recv_topk_idx[:valid], synced.recv_topk_idx)
+        assert (result.recv_topk_idx[valid:] == -1).all()
+
+    # Experts fill the tail with garbage: combine must ignore it. Then compare with the dense oracle.
+    counts = result.tokens_per_expert.tolist()
+    if layout == "expand":
+        head = experts_on_expand(result.recv_x[:valid], result.recv_topk_weights[:valid], counts, local_w)
+    else:
+        head = experts_on_compact(result.recv_x[:valid], result.recv_topk_idx[:valid],
+                                  result.recv_topk_weights[:valid], local_w)
+    garbage = torch.full((expected_rows - valid, HIDDEN), 1e6, dtype=head.dtype)
+    expert_out = torch.cat([head, garbage])
+    with no_host_reads():
+        y = dv2.combine(expert_out, handle)
+        (y * problem.grad_out[rows]).sum().backward()
+
+    gx = problem.x.clone().requires_grad_()
+    gw = problem.topk_weights.clone().requires_grad_()
+    gexp = problem.expert_weights.clone().requires_grad_()
+    (dense_moe(gx, problem.topk_idx, gw, gexp) * problem.grad_out).sum().backward()
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, dense_moe(problem.x, problem.topk_idx, problem.topk_weights,
+                                            problem.expert_weights)[rows], **tol)
+    torch.testing.assert_close(x.grad, gx.grad[rows], **tol)
+    torch.testing.assert_close(w.grad, gw.grad[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(local_w.grad, gexp.grad[mine], **tol)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["compact", "expand"])
+def test_no_host_sync_roundtrip(world: int, layout: str) -> None:
+    run_distributed(_roundtrip, world, layout, 4 if layout == "expand" else 1)
+
+
+def test_no_host_sync_roundtrip_alignment_128() -> None:
+    run_distributed(_roundtrip, 2, "expand", 128)
+
+
+def _cached_and_fp8(rank: int, world: int) -> None:
+    dv2.configure(num_max_tokens_per_rank=CAPACITY, no_host_sync=True, validate=False)  # the setting
+    problem = make_problem(9, TOKENS[world], HIDDEN, EXPERTS, TOPK)
+    rows = problem.rows(rank)
+    idx, w = problem.topk_idx[rows], problem.topk_weights[rows]
+    for layout in ("compact", "expand"):
+        first = dv2.dispatch(problem.x[rows], idx, w, EXPERTS, layout=layout, expert_alignment=4)
+        assert not first.handle.host_sync
+        with no_host_reads():
+            cached = first.handle.backend.cached_dispatch(problem.grad_out[rows], first.handle, w)
+        fresh = dv2.dispatch(problem.grad_out[rows], idx, w, EXPERTS, layout=layout, expert_alignment=4)
+        assert torch.equal(cached.recv_x, fresh.recv_x)
+        x_fp8 = problem.x[rows].to(torch.float8_e4m3fn)
+        scales = torch.rand(x_fp8.shape[0], 2, generator=torch.Generator().manual_seed(rank))
+        fp8 = dv2.dispatch((x_fp8, scales), idx, None, EXPERTS, layout=layout, expert_alignment=4)
+        plain = dv2.dispatch(problem.x[rows].float(), idx, None, EXPERTS, layout=layout, expert_alignment=4)
+        assert torch.equal(fp8.recv_x[0].view(torch.uint8), plain.recv_x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_no_host_sync_cached_dispatch_and_fp8() -> None:
+    run_distributed(_cached_and_fp8, 4)
+
+
+def test_no_host_sync_setting_from_environment() -> None:
+    from megatron_deepepv2.config import DeepepV2Settings
+
+    assert DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1"}).no_host_sync is True
+    assert DeepepV2Settings.from_env({}).no_host_sync is False
+    with pytest.raises(ValueError, match="MEGATRON_DEEPEPV2_NO_HOST_SYNC='maybe' is not a boolean"):
+        DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "maybe"})
+
+
+def test_deepep_rejects_no_host_sync_with_deterministic() -> None:
+    from megatron_deepepv2.backends import DeepEPBackend
+
+    problem = DeepEPBackend.preflight(host_sync=False, deterministic=True)
+    assert isinstance(problem, ValueError) and "deterministic" in str(problem)
+    assert DeepEPBackend.preflight(host_sync=False, deterministic=False) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron MoELayer
+# ----------------------------------------------------------------------------------------------
+def _setup() -> None:
+    from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()
+    dv2.install()
+
+
+def _moe_layer(rank: int, world: int, alignment: int) -> dict:
+    _setup()
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    moe_utils.get_align_size_for_quantization = lambda config: alignment
+    shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3)
+    reference = build_moe_layer(shape, "alltoall")
+    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=16, layout="expand", validate=False)
+    layer = build_moe_layer(shape, "deepepv2", sync_free_experts=True)
+    layer.load_state_dict(reference.state_dict())  # same parameters as SequentialMLP
+    x = torch.randn([12, 5, 16, 9][rank], 1, shape.hidden, generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(99 + rank))
+
+    def run(module, staged: bool):
+        xin = x.clone().requires_grad_()
+        module.zero_grad()
+        y = _forward_deepepv2_without_host_reads(module, xin) if staged else module(xin)[0]
+        with no_host_reads() if staged else contextlib.nullcontext():
+            (y * grad).sum().backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        return y.detach(), xin.grad, grads
+
+    expected = run(reference, False)
+    layer(x)[0].sum().backward()  # warm-up: builds the buffer (a collective, outside the checked region)
+    actual = run(layer, True)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-5, atol=1e-6)
+    assert actual[2].keys() == expected[2].keys()
+    for name in expected[2]:
+        torch.testing.assert_close(actual[2][name], expected[2][name], rtol=1e-5, atol=1e-6, msg=name)
+    return {}
+
+
+def _forward_deepepv2_without_host_reads(layer, x: torch.Tensor) -> torch.Tensor:
+    """The MoELayer forward, stage by stage: every dispatcher and expert stage runs with host reads forbidden."""
+    hidden_states = x
+    probs, routing_map = layer.router(hidden_states)
+    dispatcher = layer.token_dispatcher
+    with no_host_reads():
+        hidden, probs = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+        hidden, probs = dispatcher.token_dispatch(hidden, probs)
+        hidden, tokens_per_expert, probs = dispatcher.dispatch_postprocess(hidden, probs)
+        out, _ = layer.experts(hidden, tokens_per_expert, probs)
+        out = dispatcher.combine_preprocess(out)
+        out = dispatcher.token_combine(out)
+        return dispatcher.combine_postprocess(out)
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_moe_layer_without_host_sync_matches_alltoall(alignment: int) -> None:
+    run_distributed(_moe_layer, 4, alignment, timeout=180)
+
+
+def _unsupported(rank: int, world: int) -> list[str]:
+    _setup()
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    errors = []
+    shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=4, topk=2)
+    with dv2.settings_override(no_host_sync=True):
+        with pytest.raises(ValueError) as excinfo:
+            build_moe_layer(shape, "deepepv2")  # plain SequentialMLP
+        errors.append(str(excinfo.value))
+        with dv2.settings_override(layout="compact"), pytest.raises(ValueError) as excinfo:
+            build_moe_layer(shape, "deepepv2", sync_free_experts=True)
+        errors.append(str(excinfo.value))
+    build_moe_layer(shape, "deepepv2")  # with host sync SequentialMLP is fine
+    return errors
+
+
+def test_no_host_sync_rejects_experts_that_read_counts_on_the_host() -> None:
+    errors = run_distributed(_unsupported, 2)[0]
+    assert "SequentialMLP reads tokens_per_expert on the host" in errors[0]
+    assert "SyncFreeSequentialMLP" in errors[0]
+    assert "needs the expand layout" in errors[1]
