@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 # Older megatron-core releases the integration is checked against (make test-compat; CI runs it too).
 COMPAT_MCORE ?= 0.17.1 0.18.2
-COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_run_entry_point.py tests/unit/test_demo.py tests/determinism
+COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_no_host_sync.py tests/unit/test_run_entry_point.py tests/unit/test_demo.py tests/determinism
 
 .PHONY: venv demo test test-compat clean
 

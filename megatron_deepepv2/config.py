@@ -10,7 +10,7 @@ tests change settings with :func:`configure` or, temporarily, :func:`settings_ov
 | ``num_max_tokens_per_rank`` | ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK`` | unset: max over ranks of the first batch |
 | ``validate`` | ``MEGATRON_DEEPEPV2_VALIDATE`` | off (host-synchronising checks) |
 | ``deterministic`` | ``MEGATRON_DEEPEPV2_DETERMINISTIC`` | off |
-| ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 0 (Megatron's ``moe_flex_dispatcher_num_sms`` wins) |
+| ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 64 (measured, see below); Megatron's SM setting wins when set |
 | ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
 | ``no_host_sync`` | ``MEGATRON_DEEPEPV2_NO_HOST_SYNC`` | off (dispatch waits on the host for exact sizes) |
 """
@@ -24,6 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from megatron_deepepv2.backends.base import ExpertLayout
+
+#: SMs for DeepEP's kernels when neither Megatron's ``moe_flex_dispatcher_num_sms`` nor
+#: ``MEGATRON_DEEPEPV2_NUM_SMS`` says otherwise. Chosen from ``tools/bench.py --sm-sweep`` on 2x H200 (NV18),
+#: T4096 H4096 E64 top-8 BF16 expand (docs/benchmarks.md): dispatch bandwidth is flat from 16 SMs, but combine
+#: keeps improving up to 64 (61 GB/s at 16, 81 at 32, 114 at 64 SMs of remote bandwidth), so dispatch +
+#: combine is 30% faster at 64 than at 16 SMs. 0 asks DeepEP's analytic model instead.
+DEFAULT_NUM_SMS = 64
 
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -45,7 +52,9 @@ class DeepepV2Settings:
             device-to-host sync and a small all-reduce per call: meant for tests and debugging.
         deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, event waits, ordered
             reductions).
-        num_sms: SMs for DeepEP's communication kernels (0 = Megatron's setting, else DeepEP's model).
+        num_sms: SMs for DeepEP's communication kernels, used for dispatch, combine and their backward
+            when Megatron's ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset;
+            0 = DeepEP's analytic model. Default :data:`DEFAULT_NUM_SMS`.
         allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode. None: only when the group spans nodes.
         no_host_sync: Dispatch without waiting on the host: outputs sized for the worst case from
             ``num_max_tokens_per_rank``, counts kept on the device, no ``.item()``/``.tolist()`` on the path,
@@ -58,7 +67,7 @@ class DeepepV2Settings:
     num_max_tokens_per_rank: Optional[int] = None
     validate: bool = False
     deterministic: bool = False
-    num_sms: int = 0
+    num_sms: int = DEFAULT_NUM_SMS
     allow_hybrid_mode: Optional[bool] = None
     no_host_sync: bool = False
 

@@ -91,15 +91,16 @@ class SyncFreeSequentialMLP(SequentialMLP):
         config: Megatron ``TransformerConfig``.
         submodules: ``MLPSubmodules`` of each expert (the local spec's).
         pg_collection: Process groups (``ep``, ``expt_tp``, ``expt_dp``).
-        name: Module name for Megatron's bookkeeping.
+        **kwargs: Further ``SequentialMLP`` arguments of the installed release (e.g. ``name`` from 0.18).
 
     Raises:
         ValueError: For a configuration outside the supported set, saying what to change.
     """
 
-    def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection=None, name=None) -> None:
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
-        if self.tp_group is not None and self.tp_group.size() > 1:
+    def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection=None, **kwargs) -> None:
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
+        tp_group = getattr(self, "tp_group", None)
+        if tp_group is not None and tp_group.size() > 1:
             raise ValueError(
                 "SyncFreeSequentialMLP supports expert tensor parallel size 1; set --expert-tensor-parallel-size 1."
             )

@@ -13,7 +13,8 @@ place                                   change
 ``moe_layer.MoEFlexTokenDispatcher``    rebound to :class:`DeepepV2FlexTokenDispatcher`, which builds
                                         :class:`~megatron_deepepv2.manager._DeepepV2Manager` for
                                         deepepv2 and defers to Megatron for every other backend
-``should_free_input``                   deepepv2 keeps the EP-overlap schedule's inputs like deepep
+``should_free_input``                   deepepv2 keeps the EP-overlap schedule's inputs like deepep, and
+                                        (expand) the experts' input like hybridep
 ``build_transformer_layer_callables``   deepepv2 detaches probs across schedule nodes like deepep
 ``skip_routed_expert_padding``          experts skip their own padding when deepepv2 already padded
                                         (megatron-core >= 0.18; 0.17 has no such hook)
@@ -269,8 +270,17 @@ def _replace_function(module_names: list[str], name: str, make_wrapper: Callable
 
 
 def _wrap_should_free_input(original: Callable) -> Callable:
+    from megatron_deepepv2.config import get_settings  # noqa: PLC0415
+    from megatron_deepepv2.backends import ExpertLayout  # noqa: PLC0415
+
     def should_free_input(name, is_moe, config, num_local_experts):
-        return original(name, is_moe, _AsDeepEP(config) if is_deepepv2(config) else config, num_local_experts)
+        if not is_deepepv2(config):
+            return original(name, is_moe, config, num_local_experts)
+        if name == "mlp" and is_moe and get_settings().layout is ExpertLayout.EXPAND:
+            # Expand: dispatch_postprocess is an identity (as for hybridep), so the mlp node's input is the
+            # experts' GEMM input, saved for backward; only an FP8/FP4 cast copy lets it go.
+            return getattr(config, "fp8", None) is not None or getattr(config, "fp4", None) is not None
+        return original(name, is_moe, _AsDeepEP(config), num_local_experts)
 
     return should_free_input
 

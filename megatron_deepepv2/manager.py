@@ -49,7 +49,8 @@ def alignment_for(config) -> int:
 def configured_num_sms(config) -> int:
     """Megatron's SM setting for the dispatcher kernels, 0 when unset.
 
-    ``moe_flex_dispatcher_num_sms`` on megatron-core >= 0.19; ``moe_deepep_num_sms`` (default 20) before.
+    ``moe_flex_dispatcher_num_sms`` on megatron-core >= 0.19 (default None = unset, then the package's
+    ``num_sms`` setting applies); ``moe_deepep_num_sms`` before, whose Megatron default 20 always counts as set.
     """
     if hasattr(config, "moe_flex_dispatcher_num_sms"):
         return int(config.moe_flex_dispatcher_num_sms or 0)
@@ -137,6 +138,8 @@ class _DeepepV2Manager(_DeepepManager):
         self.layout = settings.layout
         self.backend_name = resolve_backend(settings.backend).name  # fails early for an explicit backend
         self.expert_alignment = alignment_for(config) if self.layout is ExpertLayout.EXPAND else 1
+        # One SM count for dispatch and combine, forward and backward (combine and cached dispatch reuse
+        # the count the dispatch recorded in its handle).
         self.num_sms = configured_num_sms(config) or settings.num_sms or 0
         self.host_sync = not settings.no_host_sync
         if not self.host_sync and self.layout is ExpertLayout.COMPACT:

@@ -11,6 +11,12 @@ CUDA events after warm-up (DeepEP's JIT excluded), the median of ``--iters`` ite
 * ``path_<dispatcher>``: Megatron's dispatcher path (router -> dispatch stages -> identity experts ->
   combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact;
 * ``layer_<dispatcher>``: a full MoELayer (SequentialMLP experts) forward + backward (BF16 configs only);
+* ``layer_syncfree_*``: the deepepv2 MoELayer with :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`
+  experts with host sync, without (eager), and without host sync captured in a CUDA graph (replay);
+* ``layer_shared_serial`` / ``layer_shared_overlap``: with a shared expert, ``moe_shared_expert_overlap``
+  off / on; the summary derives how much of the communication (``raw_fwd_bwd``) stays exposed;
+* ``--sm-sweep``: raw dispatch / combine bandwidth per SM count on the first configuration, and the
+  smallest SM count within 5% of the best bandwidth (where more SMs stop paying);
 * ``nvlink_peak``: a 1 GiB peer-to-peer send, the NVLink reference in the same run.
 
 Reports microseconds, logical GB/s (bytes received per rank incl. its own tokens) and remote GB/s (bytes
@@ -54,6 +60,15 @@ class BenchConfig:
     @property
     def label(self) -> str:
         return f"T{self.tokens} H{self.hidden} E{self.experts} top{self.topk} {'FP8' if self.fp8 else 'BF16'}"
+
+
+class LoggedTimes(dict):
+    """Results dict that logs every timing as it is stored (partial results survive a crash or timeout)."""
+
+    def __setitem__(self, key: str, value: float) -> None:
+        super().__setitem__(key, value)
+        if not key.endswith("_bytes"):
+            logger.info("   %-30s %10.1f us", key, value)
 
 
 def time_op(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -220,6 +235,110 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
         dv2.destroy_buffers()
 
 
+def _time_layer_graph(layer, x, grad, args) -> float:
+    """Median microseconds of a CUDA-graph replay of the layer's forward + backward (captured after warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            y, _ = layer(x)
+            y.backward(grad)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, _ = layer(x)
+        y.backward(grad)
+    elapsed = time_op(graph.replay, args.iters, args.warmup)
+    del graph
+    return elapsed
+
+
+def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
+    """No host sync (eager and CUDA graph) and shared-expert overlap, on full deepepv2 MoELayers."""
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer  # noqa: PLC0415
+
+    x0 = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16)
+    grad = torch.ones_like(x0)
+    common = dict(layout="expand", backend="deepep", num_sms=args.sms, num_max_tokens_per_rank=cfg.tokens)
+    shape = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
+                          params_dtype=torch.bfloat16)
+
+    def eager(layer):
+        x = x0.clone().requires_grad_()
+
+        def step():
+            y, _ = layer(x)
+            y.backward(grad)
+
+        return step
+
+    for name, no_host_sync in (("layer_syncfree_host_sync", False), ("layer_syncfree_no_host_sync", True)):
+        dv2.configure(no_host_sync=no_host_sync, **common)
+        layer = build_moe_layer(shape, "deepepv2", seed=3, sync_free_experts=True)
+        results[name] = time_op(eager(layer), args.iters, args.warmup)
+        if no_host_sync and not args.skip_graph:
+            results["layer_syncfree_graph"] = _time_layer_graph(layer, x0.clone().requires_grad_(), grad, args)
+        del layer
+        dv2.destroy_buffers()
+    dv2.configure(no_host_sync=False)
+
+    for name, overlap in (("layer_shared_serial", False), ("layer_shared_overlap", True)):
+        shared = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
+                               params_dtype=torch.bfloat16,
+                               extra=dict(moe_shared_expert_intermediate_size=args.shared_ffn,
+                                          moe_shared_expert_overlap=overlap))
+        dv2.configure(**common)
+        layer = build_moe_layer(shared, "deepepv2", seed=3)
+        results[name] = time_op(eager(layer), args.iters, args.warmup)
+        del layer
+        dv2.destroy_buffers()
+
+
+def bench_sm_sweep(cfg: BenchConfig, args) -> list[dict]:
+    """Raw ElasticBuffer dispatch / combine (expand, BF16) per SM count; bandwidth in remote GB/s."""
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+
+    x, idx, w = make_inputs(cfg, seed=dist.get_rank())
+    _, remote_rows = received_rows(idx, cfg)
+    remote_bytes = remote_rows * cfg.hidden * 2
+    out = dv2.dispatch(x, idx, w, cfg.experts, layout="expand", expert_alignment=128, zero_padding=True,
+                       backend="deepep", num_max_tokens_per_rank=cfg.tokens)
+    raw = out.handle.backend.buffer
+    sweep = []
+    for sms in args.sm_sweep:
+        def dispatch():
+            return raw.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=cfg.experts,
+                                num_max_tokens_per_rank=cfg.tokens, expert_alignment=128, num_sms=sms,
+                                do_expand=True, do_zero_padding=True)
+
+        recv_x, _, recv_w, handle, _ = dispatch()
+        y = torch.ones(recv_x.shape[0], cfg.hidden, dtype=torch.bfloat16, device="cuda")
+        dispatch_us = time_op(dispatch, args.iters, args.warmup)
+        combine_us = time_op(lambda: raw.combine(y, handle, topk_weights=recv_w, num_sms=sms), args.iters,
+                             args.warmup)
+        sweep.append({"sms": sms, "dispatch_us": dispatch_us, "combine_us": combine_us,
+                      "dispatch_remote_GBs": remote_bytes / dispatch_us / 1e3,
+                      "combine_remote_GBs": remote_bytes / combine_us / 1e3})
+        logger.info("   SMs %3d: dispatch %7.1f us %6.1f GB/s | combine %7.1f us %6.1f GB/s", sms, dispatch_us,
+                    sweep[-1]["dispatch_remote_GBs"], combine_us, sweep[-1]["combine_remote_GBs"])
+    dv2.destroy_buffers()
+    return sweep
+
+
+def sm_knee(sweep: list[dict], tolerance: float = 0.05) -> int:
+    """Smallest SM count whose dispatch and combine bandwidths are both within ``tolerance`` of the best."""
+    best_d = max(row["dispatch_remote_GBs"] for row in sweep)
+    best_c = max(row["combine_remote_GBs"] for row in sweep)
+    for row in sorted(sweep, key=lambda r: r["sms"]):
+        if row["dispatch_remote_GBs"] >= (1 - tolerance) * best_d and row["combine_remote_GBs"] >= (1 - tolerance) * best_c:
+            return row["sms"]
+    return max(row["sms"] for row in sweep)
+
+
 def summarise(cfg: BenchConfig, r: dict, peak: float) -> dict:
     s = {}
     if "raw_dispatch" in r:
@@ -236,6 +355,13 @@ def summarise(cfg: BenchConfig, r: dict, peak: float) -> dict:
     stock_layers = [r[k] for k in ("layer_alltoall", "layer_allgather") if k in r]
     if stock_layers and "layer_deepepv2_expand" in r:
         s["layer_speedup_expand_vs_best_stock"] = min(stock_layers) / r["layer_deepepv2_expand"]
+    if "layer_syncfree_graph" in r:
+        s["no_host_sync_speedup_eager"] = r["layer_syncfree_host_sync"] / r["layer_syncfree_no_host_sync"]
+        s["no_host_sync_speedup_graph"] = r["layer_syncfree_host_sync"] / r["layer_syncfree_graph"]
+    if "layer_shared_overlap" in r and "raw_fwd_bwd" in r:
+        hidden_us = r["layer_shared_serial"] - r["layer_shared_overlap"]
+        s["shared_overlap_speedup"] = r["layer_shared_serial"] / r["layer_shared_overlap"]
+        s["shared_overlap_exposed_comm_fraction"] = max(0.0, r["raw_fwd_bwd"] - hidden_us) / r["raw_fwd_bwd"]
     return s
 
 
@@ -246,7 +372,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     keys = ["path_alltoall", "path_allgather", "path_deepepv2_expand", "path_deepepv2_compact",
-            "layer_alltoall", "layer_deepepv2_expand", "ops_fwd_bwd", "raw_fwd_bwd", "reference_fwd_bwd"]
+            "layer_alltoall", "layer_deepepv2_expand", "layer_syncfree_host_sync", "layer_syncfree_no_host_sync",
+            "layer_syncfree_graph", "layer_shared_serial", "layer_shared_overlap", "ops_fwd_bwd", "raw_fwd_bwd",
+            "reference_fwd_bwd"]
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(keys)
     for k, key in enumerate(keys):
@@ -269,6 +397,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--fp8", choices=["both", "on", "off"], default="both")
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--sms", type=int, default=16, help="SMs for DeepEP's kernels")
+    parser.add_argument("--sm-sweep", type=int, nargs="*", default=[], metavar="SMS",
+                        help="also sweep raw dispatch/combine over these SM counts (first configuration)")
+    parser.add_argument("--shared-ffn", type=int, default=2048, help="shared-expert FFN size of the overlap rows")
+    parser.add_argument("--skip-graph", action="store_true", help="no CUDA-graph replay row")
+    parser.add_argument("--skip-features", action="store_true", help="no no-host-sync / graph / overlap rows")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--skip-reference", action="store_true")
@@ -297,23 +430,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     for tokens, hidden, experts, fp8 in itertools.product(args.tokens, args.hidden, args.experts, fp8_values):
         cfg = BenchConfig(tokens, hidden, experts, args.topk, fp8)
         logger.info("== %s", cfg.label)
-        times: dict = {}
+        times: dict = LoggedTimes()
         bench_ops(cfg, args, times)
         if not args.skip_megatron and not fp8:
             bench_megatron(cfg, args, times)
+            if not args.skip_features:
+                bench_sync_free_and_overlap(cfg, args, times)
         summary = summarise(cfg, times, peak)
         rows.append({"config": cfg.label, **asdict(cfg), "sms": args.sms,
                      "times_us": {k: v for k, v in times.items() if not k.endswith("_bytes")},
                      "bytes": {k: v for k, v in times.items() if k.endswith("_bytes")}, "summary": summary})
-        for key, value in rows[-1]["times_us"].items():
-            logger.info("   %-26s %10.1f us", key, value)
         for key, value in summary.items():
             logger.info("   %-34s %8.3f", key, value)
+    sm_sweep, knee = [], None
+    if args.sm_sweep:
+        first = BenchConfig(args.tokens[0], args.hidden[0], args.experts[0], args.topk, False)
+        logger.info("== SM sweep on %s", first.label)
+        sm_sweep = bench_sm_sweep(first, args)
+        knee = sm_knee(sm_sweep)
+        logger.info("   bandwidth within 5%% of the best from %d SMs on", knee)
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"nvlink_peak_GBs": peak, "world_size": dist.get_world_size(),
-                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+                       "device": torch.cuda.get_device_name(), "rows": rows,
+                       "sm_sweep": sm_sweep, "sm_knee": knee}, f, indent=2)
         try:
             plot(rows, os.path.join(args.out, "bench.png"))
         except ImportError:

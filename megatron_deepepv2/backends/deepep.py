@@ -285,19 +285,19 @@ class DeepEPBackend(DispatchBackend):
             do_zero_padding=zero_padding and expand,
             do_cpu_sync=host_sync,
         )
+        # The device-side counts are derived from prefix sums the dispatch kernels write on the communication
+        # stream: order the current stream after them first (in async mode they may still be running; reading
+        # them earlier is a race). Callers wait right after dispatch anyway (Megatron's fused ops do).
+        self._event(event, async_finish).wait()
         rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         handle = self._wrap(
             layout, native_handle, topk_idx.shape[0], topk_idx.shape[1], num_experts, expert_alignment,
             zero_padding, rows.shape[0], host_sync,
         )
-        wrapped_event = self._event(event, async_finish)
         if not host_sync:
-            # Rows past the valid extent are uninitialised: give them expert id -1 and weight 0 (as the
-            # contract says) once the dispatch has finished writing them.
-            wrapped_event.wait()
-            wrapped_event = CompletedEvent()
+            # Rows past the valid extent are uninitialised: expert id -1 and weight 0, as the contract says.
             recv_idx, recv_weights = self._mask_unused_rows(recv_idx, recv_weights, handle.num_valid_rows)
-        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, wrapped_event)
+        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, CompletedEvent())
 
     @staticmethod
     def _mask_unused_rows(

@@ -190,11 +190,21 @@ def _append_zero_row(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((1, *tensor.shape[1:]))], dim=0)
 
 
+def _counts_of_sorted(sorted_experts: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """Entries per expert id ``0 .. num_local_experts - 1`` of an ascending 1-D tensor.
+
+    Binary search instead of ``bincount``, which synchronises the host on CUDA to size its output.
+    """
+    edges = torch.arange(num_local_experts + 1, dtype=sorted_experts.dtype, device=sorted_experts.device)
+    bounds = torch.searchsorted(sorted_experts, edges)
+    return bounds[1:] - bounds[:-1]
+
+
 def _local_expert_counts(local_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """Selections per local expert; entries outside ``[0, num_local_experts)`` (-1, sentinels) are ignored."""
     valid = (local_idx >= 0) & (local_idx < num_local_experts)
-    bins = torch.where(valid, local_idx, num_local_experts)
-    return torch.bincount(bins, minlength=num_local_experts + 1)[:num_local_experts]
+    bins = torch.where(valid, local_idx, num_local_experts).flatten()
+    return _counts_of_sorted(torch.sort(bins).values, num_local_experts)
 
 
 def _align_up(counts: torch.Tensor, alignment: int) -> torch.Tensor:
@@ -296,8 +306,8 @@ class ReferenceBackend(DispatchBackend):
         flat_expert = torch.where(recv_idx >= 0, recv_idx, num_local_experts).flatten()
         # Stable sort by expert keeps received-row order (= global source order) inside each expert;
         # unselected entries (expert id num_local_experts) sort last.
-        order = torch.sort(flat_expert, stable=True).indices
-        counts = _local_expert_counts(flat_expert, num_local_experts)
+        expert, order = torch.sort(flat_expert, stable=True)
+        counts = _counts_of_sorted(expert, num_local_experts)
         aligned = _align_up(counts, expert_alignment)
         if host_sync:
             aligned_host = aligned.tolist()  # the only device-to-host copy of an expand dispatch
@@ -312,10 +322,9 @@ class ReferenceBackend(DispatchBackend):
                 num_local_experts=num_local_experts,
                 expert_alignment=expert_alignment,
             )
-        sentinel = torch.tensor([num_expanded], dtype=torch.int64, device=device)
+        sentinel = torch.full((1,), num_expanded, dtype=torch.int64, device=device)  # a fill: capturable
         aligned_starts = torch.cat([_exclusive_cumsum(aligned), sentinel])
         unaligned_starts = torch.cat([_exclusive_cumsum(counts), counts.sum().reshape(1)])
-        expert = flat_expert[order]
         rank_in_expert = torch.arange(order.numel(), device=device) - unaligned_starts[expert]
         positions = torch.where(expert < num_local_experts, aligned_starts[expert] + rank_in_expert, sentinel)
 

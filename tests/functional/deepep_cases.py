@@ -133,21 +133,26 @@ def nondeterministic_mode_matches_after_canonical_sort() -> None:
         deepep.destroy()
 
 
-def _ops_run(backend: str, layout: str, **flags):
-    world = dist.get_world_size()
-    x, idx, w = make_routing(tokens_for_rank(world, 256), 1024, 32, 8, seed=23 + RANK)
+def _ops_inputs():
+    x, idx, w = make_routing(tokens_for_rank(dist.get_world_size(), 256), 1024, 32, 8, seed=23 + RANK)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16).cuda()
+    return x, idx, w, grad
+
+
+def _ops_run(backend: str, layout: str, inputs=None, host_sync: bool = True, **flags):
+    """Dispatch -> scale by weights -> combine, forward and backward; no host sync of its own."""
+    x, idx, w, grad = inputs if inputs is not None else _ops_inputs()
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
     out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1,
-                       zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024, **flags)
+                       zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024,
+                       host_sync=host_sync, **flags)
     if layout == "expand":
         y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
     else:
         y = out.recv_x * out.recv_topk_weights.sum(dim=1, keepdim=True).to(out.recv_x.dtype)
     combined = dv2.combine(y, out.handle, **flags)
-    gen = torch.Generator(device="cuda").manual_seed(RANK)
-    combined.backward(torch.randn(combined.shape, device="cuda", generator=gen).to(combined.dtype))
-    torch.cuda.synchronize()
+    combined.backward(grad)
     return combined.detach(), x.grad, w.grad
 
 
@@ -235,6 +240,187 @@ def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
             log(f"  deterministic=False: {count_differing_replays(run, replays=3)} of 2 replays differed (informational)")
         dv2.destroy_buffers()
     dv2.configure(deterministic=False)
+
+
+@case
+def no_host_sync_matches_reference_without_syncs() -> None:
+    """DeepEP without CPU sync vs the reference backend without host sync (over NCCL): worst-case shapes, device
+    counts, combine and gradients bitwise equal; the second pass runs under CUDA's sync debug mode = error."""
+    results = {}
+    for backend in ("reference", "deepep"):
+        for layout in ("expand", "compact"):
+            inputs = _ops_inputs()
+            for attempt in range(2):  # the first builds the buffer (a collective with a host read)
+                torch.cuda.synchronize()
+                if attempt == 1:
+                    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises
+                try:
+                    out = _ops_run(backend, layout, inputs, host_sync=False)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            results[(backend, layout)] = out
+    for layout in ("expand", "compact"):
+        for name, a, b in zip(("output", "grad_x", "grad_probs"), results[("deepep", layout)],
+                              results[("reference", layout)]):
+            exact(f"no-host-sync {layout} {name}", a, b)
+    x, idx, w = make_routing(tokens_for_rank(dist.get_world_size(), 256), 1024, 32, 8, seed=23 + RANK)
+    got = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep",
+                       num_max_tokens_per_rank=1024, host_sync=False)
+    want = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True,
+                        backend="reference", num_max_tokens_per_rank=1024, host_sync=False)
+    exact("tokens_per_expert", got.tokens_per_expert, want.tokens_per_expert)
+    exact("num_valid_rows", got.handle.num_valid_rows, want.handle.num_valid_rows)
+    assert got.recv_x.shape == want.recv_x.shape, (got.recv_x.shape, want.recv_x.shape)
+    valid = int(got.handle.num_valid_rows)
+    assert not got.recv_topk_weights[valid:].any(), "weights past the valid rows must be zero"
+    dv2.destroy_buffers()
+
+
+def _graph_layer(backend: str, shape, tokens: int):
+    from megatron_deepepv2.testing.moe_model import build_moe_layer
+
+    dv2.configure(layout="expand", backend=backend, no_host_sync=True, num_max_tokens_per_rank=tokens,
+                  deterministic=False)
+    return build_moe_layer(shape, "deepepv2", seed=13, sync_free_experts=True)
+
+
+def _layer_step(layer, x, grad):
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    y, _ = layer(x)
+    y.backward(grad)
+    return y
+
+
+def _snapshot(layer, x, y):
+    return {"output": y.detach().clone(), "grad_x": x.grad.clone(),
+            **{n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}}
+
+
+@case
+def moe_layer_cuda_graph_replay_equals_eager() -> None:
+    """No host sync: a deepepv2 MoELayer forward+backward captured in one torch.cuda.CUDAGraph replays equal to eager
+    on new inputs. Reference backend: every tensor bitwise. DeepEP (rows arrive in atomic order without
+    deterministic mode, which needs host syncs): output, input and router gradients bitwise, expert weight
+    gradients within BF16 tolerance."""
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig
+
+    dv2.install()
+    shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
+    tokens = 512
+    gen = torch.Generator().manual_seed(100 + RANK)
+    inputs = [torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda() for _ in range(3)]
+    grad = torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
+    for backend in ("reference", "deepep"):
+        layer = _graph_layer(backend, shape, tokens)
+        static_x = inputs[0].clone().requires_grad_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on the capture stream: builds the buffer, JIT-compiles
+            for _ in range(2):
+                _layer_step(layer, static_x, grad)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for p in layer.parameters():
+            p.grad = None
+        static_x.grad = None
+        with torch.cuda.graph(graph):
+            static_y, _ = layer(static_x)
+            static_y.backward(grad)
+        # The gradients allocated during capture are the memory every replay writes.
+        static_grads = {"output": static_y, "grad_x": static_x.grad}
+        static_grads.update({n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
+        for i, x_new in enumerate(inputs[1:]):
+            eager_x = x_new.clone().requires_grad_()
+            eager = _snapshot(layer, eager_x, _layer_step(layer, eager_x, grad))
+            static_x.data.copy_(x_new)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = {name: tensor.detach() for name, tensor in static_grads.items()}
+            assert replayed.keys() == eager.keys(), (replayed.keys(), eager.keys())
+            for name in eager:
+                expert_weight = "experts" in name
+                if backend == "deepep" and expert_weight:
+                    torch.testing.assert_close(replayed[name], eager[name], rtol=2e-2, atol=2e-2,
+                                               msg=f"{backend} replay {i} {name}")
+                else:
+                    exact(f"{backend} replay {i} {name}", replayed[name], eager[name])
+        log(f"  {backend}: graph replays equal eager on 2 new inputs")
+        timings = {}
+        for label, run in (("eager", lambda: _layer_step(layer, eager_x, grad)), ("graph", graph.replay)):
+            samples = []
+            for _ in range(12):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1000)
+            timings[label] = sorted(samples[2:])[len(samples[2:]) // 2]
+        log(f"  {backend}: forward+backward eager {timings['eager']:.0f} us, graph replay {timings['graph']:.0f} us "
+            f"(T={tokens} H={shape.hidden} E={shape.num_experts} top-{shape.topk})")
+        del graph, layer
+        dv2.destroy_buffers()
+    dv2.configure(no_host_sync=False, num_max_tokens_per_rank=None)
+
+
+@case
+def shared_expert_overlap_matches_serial() -> None:
+    """moe_shared_expert_overlap with deepepv2: output and every gradient bitwise equal to the serial run."""
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.install()
+    x0 = torch.randn(1024, 1, 1024, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16).cuda()
+    runs = {}
+    for overlap in (False, True):
+        shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16,
+                              extra=dict(moe_shared_expert_intermediate_size=1024, moe_shared_expert_overlap=overlap))
+        dv2.configure(layout="expand", backend="deepep", deterministic=True)
+        layer = build_moe_layer(shape, "deepepv2", seed=21)
+        assert layer.shared_experts is not None and layer.shared_expert_overlap == overlap
+        x = x0.clone().requires_grad_()
+        runs[overlap] = _snapshot(layer, x, _layer_step(layer, x, torch.ones_like(x0)))
+        dv2.destroy_buffers()
+    for name in runs[False]:
+        exact(f"shared-expert overlap {name}", runs[True][name], runs[False][name])
+    dv2.configure(deterministic=False)
+
+
+@case
+def graph_diagnostic() -> None:
+    """Informational: ops-level dispatch+combine forward captured in a CUDA graph, per stream-flag variant."""
+    x, idx, w, _ = _ops_inputs()
+    for backend in ("reference", "deepep"):
+        for async_finish, alloc in ((False, False), (True, True)):
+            def step(xin):
+                out = dv2.dispatch(xin, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True,
+                                   backend=backend, num_max_tokens_per_rank=1024, host_sync=False,
+                                   async_finish=async_finish, allocate_on_comm_stream=alloc)
+                y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
+                return dv2.combine(y, out.handle, async_finish=async_finish, allocate_on_comm_stream=alloc)
+
+            static_x = x.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(static_x)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_y = step(static_x)
+            diffs = []
+            for scale in (1.0, 2.0, 2.0):
+                static_x.copy_(x * scale)
+                graph.replay()
+                torch.cuda.synchronize()
+                eager = step(x * scale)
+                diff = (static_y.float() - eager.float()).abs()
+                diffs.append(diff.max().item() if diff.numel() else 0.0)
+            log(f"  graph {backend} async={async_finish} alloc={alloc}: max |replay - eager| = {diffs}")
+            del graph
+        dv2.destroy_buffers()
 
 
 def main() -> int:

@@ -246,8 +246,16 @@ def _backend_string_checks(rank: int, world: int) -> None:
     init_expert_parallel()
     v2 = transformer_config(TinyMoEConfig(), "deepepv2")
     v1 = transformer_config(TinyMoEConfig(), "deepep")
-    for node in ("moe_dispatch", "moe_combine", "mlp"):
-        assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
+    import megatron_deepepv2 as dv2
+
+    with dv2.settings_override(layout="compact"):  # Megatron's permute copies, exactly as with deepep
+        for node in ("moe_dispatch", "moe_combine", "mlp"):
+            assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
+    with dv2.settings_override(layout="expand"):
+        for node in ("moe_dispatch", "moe_combine"):
+            assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
+        # The expand rows go straight into the expert GEMMs, which save them for backward (like hybridep).
+        assert should_free_input("mlp", True, v2, 4) is False and should_free_input("mlp", True, v1, 4) is True
     assert should_free_input("moe_dispatch", True, v2, 4) is False  # dispatch input kept for backward
     if _has_skip_padding_hook():
         assert moe_utils.skip_routed_expert_padding(v2) is True  # expand layout pads already
@@ -292,3 +300,33 @@ def _unsupported_version(rank: int, world: int) -> str:
 
 def test_unsupported_megatron_version_raises() -> None:
     assert run_distributed(_unsupported_version, 1) == ["ok"]
+
+
+def _sm_setting(rank: int, world: int) -> list[int]:
+    _setup()
+    import megatron_deepepv2 as dv2
+    from megatron_deepepv2 import buffers
+    from megatron_deepepv2.config import DEFAULT_NUM_SMS
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, transformer_config
+
+    field = "moe_flex_dispatcher_num_sms"
+    if not hasattr(transformer_config(TinyMoEConfig(), "deepepv2"), field):
+        field = "moe_deepep_num_sms"  # megatron-core < 0.19
+    unset = {} if field == "moe_flex_dispatcher_num_sms" else {field: 0}  # before 0.19 only 0 means unset
+    seen = []
+    for megatron_value, env_value in ((24, None), (None, None), (None, 0)):
+        extra = unset if megatron_value is None else {field: megatron_value}
+        shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=4, topk=2, extra=extra)
+        with dv2.settings_override(**({} if env_value is None else {"num_sms": env_value})):
+            layer = build_moe_layer(shape, "deepepv2")
+            layer(torch.randn(6, 1, 32))[0].sum().backward()
+        (buffer,) = buffers.active_buffers()
+        seen.append(buffer.spec.num_sms)
+        dv2.destroy_buffers()
+    assert seen == [24, DEFAULT_NUM_SMS, 0], seen
+    return seen
+
+
+def test_sm_setting_reaches_the_buffer() -> None:
+    """Megatron's SM count wins; unset -> the package default (measured); MEGATRON_DEEPEPV2_NUM_SMS=0 -> DeepEP's model."""
+    run_distributed(_sm_setting, 2)
