@@ -80,6 +80,14 @@ KERNELS: tuple[KernelEntry, ...] = (
         notes="MoELayer with deepepv2 (expand and compact) replayed bit-exactly.",
     ),
     KernelEntry(
+        name="sync_free_experts",
+        sources=("megatron_deepepv2/experts.py",),
+        tests=_REPLAY_TESTS,
+        kind="torch-op",
+        notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts; MoELayer replays (CPU) and "
+        "CUDA-graph replay vs eager (GPU) bitwise.",
+    ),
+    KernelEntry(
         name="buffer_lifecycle_and_agreement",
         sources=(
             "megatron_deepepv2/buffers.py",
@@ -104,6 +112,7 @@ KERNEL_CONTENT_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
         ("deepep-buffer-call", r"\b\w*buffer\s*\.\s*(dispatch|combine)\s*\("),
         ("backend-call", r"\b\w*backend\s*\.\s*(dispatch|cached_dispatch|combine)\s*\("),
         ("autograd-function", r"\btorch\s*\.\s*autograd\s*\.\s*Function\b|\bautograd\.Function\b"),
+        ("grouped-gemm", r"\btorch\s*\.\s*_grouped_mm\s*\("),
         (
             "collective",
             r"\b(dist|torch\s*\.\s*distributed)\s*\.\s*(all_to_all_single|all_to_all|all_reduce|all_gather\w*|"

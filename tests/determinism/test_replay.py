@@ -153,6 +153,25 @@ def test_compact_layout_in_deterministic_mode_replays_bit_exact() -> None:
     run_distributed(_compact_deterministic_mode, 2, timeout=180)
 
 
+def _no_host_sync_replays(rank: int, world: int) -> None:
+    """The no-host-sync path (fixed-block transport, worst-case rows, grouped-GEMM experts) replays bit-exactly."""
+    import megatron_deepepv2 as dv2
+    from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    install_cpu_shims()
+    dv2.install()
+    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=32, layout="expand", validate=False)
+    layer = build_moe_layer(TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3), "deepepv2",
+                            sync_free_experts=True)
+    x0 = torch.randn([20, 7][rank], 1, 32, generator=torch.Generator().manual_seed(rank))
+    assert_replays_bit_exact(moe_layer_replay(layer, x0), replays=3)
+
+
+def test_no_host_sync_moe_layer_replays_bit_exact() -> None:
+    run_distributed(_no_host_sync_replays, 2, timeout=180)
+
+
 def _gpu_skip_reason() -> str | None:
     if torch.cuda.device_count() < 2:
         return f"ElasticBuffer replays need >= 2 CUDA GPUs (found {torch.cuda.device_count()})"
