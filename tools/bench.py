@@ -231,7 +231,7 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
         results[f"path_{name}"] = time_op(path, args.iters, args.warmup)
         if not args.skip_layer:
             results[f"layer_{name}"] = time_op(whole_layer, args.iters, args.warmup)
-        del layer
+        layer = td = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
 
 
@@ -290,7 +290,7 @@ def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
         results[name] = time_op(eager(layer), args.iters, args.warmup)
         if no_host_sync and not args.skip_graph:
             results["layer_syncfree_graph"] = _time_layer_graph(layer, x0.clone().requires_grad_(), grad, args)
-        del layer
+        layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
     dv2.configure(no_host_sync=False)
 
@@ -302,7 +302,7 @@ def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
         dv2.configure(**common)
         layer = build_moe_layer(shared, "deepepv2", seed=3)
         results[name] = time_op(eager(layer), args.iters, args.warmup)
-        del layer
+        layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
 
 

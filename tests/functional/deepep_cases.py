@@ -361,7 +361,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
             timings[label] = sorted(samples[2:])[len(samples[2:]) // 2]
         log(f"  {backend}: forward+backward eager {timings['eager']:.0f} us, graph replay {timings['graph']:.0f} us "
             f"(T={tokens} H={shape.hidden} E={shape.num_experts} top-{shape.topk})")
-        del graph, layer
+        graph = layer = None
         dv2.destroy_buffers()
     dv2.configure(no_host_sync=False, num_max_tokens_per_rank=None)
 
