@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
@@ -35,26 +35,22 @@ NO_HOST_SYNC_EXPERTS_HINT = (
 )
 
 
-def _uses_te_op_fuser(experts: Any, config: Any) -> bool:
-    return bool(
-        type(experts).__name__ == "TEGroupedMLP"
-        and getattr(config, "use_transformer_engine_op_fuser", False)
-        and getattr(config, "moe_grouped_gemm", False)
-        and getattr(experts, "_with_fused_impl", False)
-    )
+def _uses_te_op_fuser(experts: Any) -> bool:
+    # _with_fused_impl (megatron-core >= 0.19) is set from use_transformer_engine_op_fuser; TEGroupedMLP is
+    # what moe_grouped_gemm builds.
+    return isinstance(experts, TEGroupedMLP) and bool(getattr(experts, "_with_fused_impl", False))
 
 
-def no_host_sync_problem(experts: Any, config: Any) -> Optional[str]:
+def no_host_sync_problem(experts: Any) -> Optional[str]:
     """Says why ``experts`` cannot run without host sync, or None when it can.
 
     Args:
         experts: The ``experts`` module of a ``MoELayer``.
-        config: Its ``TransformerConfig``.
 
     Returns:
         A sentence naming the module and the fix, or None.
     """
-    if isinstance(experts, SyncFreeSequentialMLP) or _uses_te_op_fuser(experts, config):
+    if isinstance(experts, SyncFreeSequentialMLP) or _uses_te_op_fuser(experts):
         return None
     return (
         f"{type(experts).__name__} reads tokens_per_expert on the host (a device-to-host sync each step). "
@@ -62,13 +58,13 @@ def no_host_sync_problem(experts: Any, config: Any) -> Optional[str]:
     )
 
 
-def check_experts_take_device_counts(experts: Any, config: Any) -> None:
+def check_experts_take_device_counts(experts: Any) -> None:
     """Raises when ``experts`` cannot consume the no-host-sync dispatch output.
 
     Raises:
         ValueError: Naming the expert module and what to use instead.
     """
-    problem = no_host_sync_problem(experts, config)
+    problem = no_host_sync_problem(experts)
     if problem is not None:
         raise ValueError(problem)
 

@@ -242,7 +242,7 @@ def _patch_moe_layer_expert_check() -> None:
         from megatron_deepepv2.experts import check_experts_take_device_counts  # noqa: PLC0415
 
         if is_deepepv2(self.config) and get_settings().no_host_sync:
-            check_experts_take_device_counts(self.experts, self.config)
+            check_experts_take_device_counts(self.experts)
 
     __init__._deepepv2_plugin = True  # type: ignore[attr-defined]
     __init__._deepepv2_original = original  # type: ignore[attr-defined]

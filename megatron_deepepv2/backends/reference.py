@@ -83,10 +83,13 @@ class _Transport:
         """Dispatch direction: rows in send order -> rows in receive (output) order."""
         if not self.blocked:
             return _exchange_rows(tensors, self.send_splits, self.recv_splits, group)
-        received = self.send_blocks(_pack(tensors), group)
+        return _unpack(self.to_output_order(self.send_blocks(_pack(tensors), group)), tensors)
+
+    def to_output_order(self, received: torch.Tensor) -> torch.Tensor:
+        """Blocked transport: received block rows -> output rows (used rows first)."""
         ordered = torch.empty_like(received)
         ordered[self.recv_positions] = received
-        return _unpack(ordered, tensors)
+        return ordered
 
     def send_back(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
         """Combine direction: rows in receive order -> rows in send-buffer row space of the source."""
@@ -246,14 +249,15 @@ class ReferenceBackend(DispatchBackend):
     # ------------------------------------------------------------------------------------------
     def _plan_send(
         self, topk_idx: torch.Tensor, num_experts: int, host_sync: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Computes which token rows go to which rank, and where combine finds each slot's row.
 
         Returns:
-            ``(token, dest_rank, send_counts, owner_rows, slot_rows)``: the local token and destination of
-            each sent row (destination-major, tokens ascending), rows per destination, and for each
-            (token, slot) the returned row of the slot's owning rank / of the slot where that rank's
-            contribution is reduced (a sentinel one past the last returned row otherwise).
+            ``(token, returned_row, send_counts, owner_rows, slot_rows)``: the local token of each sent row
+            (destination-major, tokens ascending) and the row it comes back in (without host sync: its
+            send-buffer row, a sentinel for unused pairs); rows per destination (host sync only, else None);
+            and for each (token, slot) the returned row of the slot's owning rank / of the slot where that
+            rank's contribution is reduced (a sentinel one past the last returned row otherwise).
         """
         num_tokens, num_topk = topk_idx.shape
         world = self.group_size
@@ -265,8 +269,9 @@ class ReferenceBackend(DispatchBackend):
         sends = torch.zeros((num_tokens, world + 1), dtype=torch.bool, device=device)
         sends.scatter_(1, dest, True)
         sends = sends[:, :world]
-        send_counts = sends.sum(dim=0, dtype=torch.int64)
+        send_counts = None
         if host_sync:
+            send_counts = sends.sum(dim=0, dtype=torch.int64)
             dest_rank, token = sends.t().nonzero(as_tuple=True)  # destination-major, tokens ascending
             num_returned = int(token.numel())
             returned_row = torch.arange(num_returned, dtype=torch.int64, device=device)
@@ -499,9 +504,7 @@ class ReferenceBackend(DispatchBackend):
         transport.recv_positions = torch.where(
             used, torch.cumsum(used, 0) - 1, num_used + torch.cumsum(~used, 0) - 1
         )
-        ordered = torch.empty_like(received)
-        ordered[transport.recv_positions] = received
-        return transport, _unpack(ordered[:, 1:], payload), num_used
+        return transport, _unpack(transport.to_output_order(received)[:, 1:], payload), num_used
 
     def cached_dispatch(
         self,
