@@ -10,6 +10,7 @@ PYTEST_ARGS ?=
 
 # Older megatron-core releases the integration is checked against (make test-compat; CI runs it too).
 COMPAT_MCORE ?= 0.17.1 0.18.2
+COMPAT_DIR := .compat
 COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_no_host_sync.py tests/unit/test_run_entry_point.py tests/unit/test_demo.py tests/determinism
 
 .PHONY: venv demo test test-compat clean
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.12 (pyenv: 'pyenv install 3.12')" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-cache-dir -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,14 +31,20 @@ test: $(STAMP)
 	$(PY) tools/check_kernel_determinism_coverage.py --all
 	$(PY) -m pytest -n auto -q $(PYTEST_ARGS)
 
-test-compat:
+# Each older release goes into its own small folder (megatron-core only, no dependencies) that PYTHONPATH puts before
+# .venv's site-packages, so the compat runs share .venv's torch instead of installing a multi-GB copy per release.
+test-compat: $(STAMP)
 	@for v in $(COMPAT_MCORE); do \
-	  env=.venv-mcore-$$v; \
-	  test -x $$env/bin/python || $(PYTHON) -m venv $$env || exit 1; \
-	  $$env/bin/python -m pip install --quiet -e '.[test]' "megatron-core==$$v" pyyaml || exit 1; \
+	  dir=$(COMPAT_DIR)/megatron-core-$$v; \
+	  if [ ! -f $$dir/.installed ]; then \
+	    rm -rf $$dir && $(PY) -m pip install --quiet --no-cache-dir --no-deps --target $$dir "megatron-core==$$v" pyyaml \
+	      && touch $$dir/.installed || exit 1; \
+	  fi; \
 	  echo "== megatron-core $$v"; \
-	  $$env/bin/python -m pytest -n auto -q $(COMPAT_TESTS) || exit 1; \
+	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -c "import importlib.metadata as m, megatron.core; \
+	    assert m.version('megatron-core') == '$$v', m.version('megatron-core')" || exit 1; \
+	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n auto -q $(COMPAT_TESTS) || exit 1; \
 	done
 
 clean:
-	rm -rf $(VENV) .venv-mcore-* build *.egg-info
+	rm -rf $(VENV) $(COMPAT_DIR) build *.egg-info
