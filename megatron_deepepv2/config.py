@@ -51,7 +51,8 @@ class DeepepV2Settings:
             in a row) and agree on errors across ranks, so bad input raises on every rank. Costs a
             device-to-host sync and a small all-reduce per call: meant for tests and debugging.
         deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, event waits, ordered
-            reductions).
+            reductions). The Megatron dispatcher is also deterministic when its config has
+            ``deterministic_mode`` (``--deterministic-mode``).
         num_sms: SMs for DeepEP's communication kernels, used for dispatch, combine and their backward
             when Megatron's ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset;
             0 = DeepEP's analytic model. Default :data:`DEFAULT_NUM_SMS`.

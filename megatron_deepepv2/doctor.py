@@ -5,7 +5,7 @@ CUDA and the SM architecture; ``deep_ep`` importable with ``ElasticBuffer``; the
 (>= 2.30.4, and exactly one ``libnccl`` mapped); ``deep_ep._C`` linking libstdc++ dynamically (a static copy
 crashes inside ``std::regex`` at the first dispatch); ``nvcc`` and a writable JIT cache for DeepEP's kernels;
 NVLink, and whether ``EP_DISABLE_GIN=1`` is needed (no RDMA NIC); the NVLink-multicast guard variables;
-the torchrun environment; torch's determinism settings.
+the torchrun environment.
 
 Exit status: 1 when a blocking problem (``fail``) was found, else 0. Every probe of the system goes through
 :class:`Probes`, so tests inject facts instead of needing a GPU.
@@ -137,13 +137,6 @@ def _default_versions() -> dict[str, Optional[str]]:
     return versions
 
 
-def _default_determinism() -> dict[str, bool]:
-    import torch  # noqa: PLC0415
-
-    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory)}
-
-
 def _nvcc_path(env: dict[str, str]) -> Optional[str]:
     for var in ("EP_JIT_NVCC_COMPILER",):
         if env.get(var) and os.path.exists(env[var]):
@@ -182,7 +175,6 @@ class Probes:
     writable_dir: Callable[[str], bool] = _writable_dir
     nvlink: Callable[[], Optional[bool]] = _default_nvlink
     rdma_devices: Callable[[], list[str]] = lambda: sorted(glob.glob("/sys/class/infiniband/*"))
-    determinism: Callable[[], dict[str, bool]] = _default_determinism
 
 
 def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
@@ -303,13 +295,6 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     missing = [v for v in TORCHRUN_VARS if v not in env]
     add(Finding("torchrun", OK if not missing else SKIP,
                 "torchrun environment present" if not missing else f"not under torchrun (missing {', '.join(missing)})"))
-    det = p.determinism()
-    conflict = det["deterministic_algorithms"] and det["fill_uninitialized_memory"]
-    add(Finding("determinism", FAIL if conflict else OK,
-                f"deterministic_algorithms={det['deterministic_algorithms']}, "
-                f"fill_uninitialized_memory={det['fill_uninitialized_memory']}",
-                "Set torch.utils.deterministic.fill_uninitialized_memory = False (DeepEP asserts otherwise)."
-                if conflict else ""))
     return findings
 
 

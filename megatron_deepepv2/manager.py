@@ -33,7 +33,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
 from megatron_deepepv2 import ops
-from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, resolve_backend
+from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, resolve_backend, uninitialized_memory_fill_off
 from megatron_deepepv2.config import get_settings
 
 logger = logging.getLogger(__name__)
@@ -90,14 +90,12 @@ def deterministic_algorithms() -> Iterator[None]:
     """
     was_enabled = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
-        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+    with uninitialized_memory_fill_off():
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
 
 
 class _DeepepV2Manager(_DeepepManager):
@@ -111,7 +109,8 @@ class _DeepepV2Manager(_DeepepManager):
         num_local_experts: Experts on this rank.
         router_topk: Top-k over the TPxEP group (``tp * moe_router_topk``).
         num_experts: Experts over the TPxEP group (``tp * num_moe_experts``).
-        config: Megatron ``TransformerConfig``.
+        config: Megatron ``TransformerConfig``. Its ``deterministic_mode`` (``--deterministic-mode``) turns
+            on deepepv2's deterministic mode for this dispatcher, as ``MEGATRON_DEEPEPV2_DETERMINISTIC=1`` does.
 
     Raises:
         ImportError: If the configured backend was named explicitly and cannot run.
@@ -142,6 +141,7 @@ class _DeepepV2Manager(_DeepepManager):
         # the count the dispatch recorded in its handle).
         self.num_sms = configured_num_sms(config) or settings.num_sms or 0
         self.host_sync = not settings.no_host_sync
+        self.deterministic = settings.deterministic or bool(getattr(config, "deterministic_mode", False))
         if not self.host_sync and self.layout is ExpertLayout.COMPACT:
             raise ValueError(
                 "MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 needs the expand layout: the compact layout goes through "
@@ -191,6 +191,7 @@ class _DeepepV2Manager(_DeepepManager):
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
             host_sync=self.host_sync,
+            deterministic=self.deterministic,
         )
         self.handle = result.handle
         self.dispatched_indices = result.recv_topk_idx
@@ -223,7 +224,7 @@ class _DeepepV2Manager(_DeepepManager):
         """
         if self.layout is ExpertLayout.EXPAND:
             return hidden_states
-        if not get_settings().deterministic:
+        if not self.deterministic:
             return super().get_restored_hidden_states_by_experts(hidden_states)
         with deterministic_algorithms():
             return super().get_restored_hidden_states_by_experts(hidden_states)

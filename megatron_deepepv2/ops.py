@@ -181,6 +181,7 @@ def dispatch(
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
     host_sync: Optional[bool] = None,
+    deterministic: Optional[bool] = None,
 ) -> DispatchResult:
     """Sends tokens to the ranks of their experts (differentiable in ``x`` and ``topk_weights``).
 
@@ -205,6 +206,8 @@ def dispatch(
             first, counts on the device, no device-to-host copy in forward or backward (CUDA-graph
             capturable once the buffer exists). Rows past ``handle.num_valid_rows`` have expert id -1
             and weight 0.
+        deterministic: Bit-exact run to run (default: the ``deterministic`` setting); the buffer is rebuilt
+            when this changes.
 
     Returns:
         The received rows, routing, tokens per local expert and the handle.
@@ -218,6 +221,7 @@ def dispatch(
     group = group if group is not None else dist.group.WORLD
     layout = ExpertLayout.parse(layout)
     host_sync = not settings.no_host_sync if host_sync is None else bool(host_sync)
+    deterministic = settings.deterministic if deterministic is None else bool(deterministic)
     backend_cls = resolve_backend(backend or settings.backend)
     if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
         topk_weights = topk_weights.float().contiguous()
@@ -236,7 +240,7 @@ def dispatch(
         num_max_tokens_per_rank=num_max_tokens_per_rank,
         check_values=settings.validate,
     )
-    problem = problem or backend_cls.preflight(host_sync=host_sync, deterministic=settings.deterministic)
+    problem = problem or backend_cls.preflight(host_sync=host_sync, deterministic=deterministic)
     num_tokens = topk_idx.shape[0] if problem is None else 0
     max_tokens = validation.raise_on_every_rank(problem, group, agree=settings.validate, num_tokens=num_tokens)
 
@@ -249,7 +253,7 @@ def dispatch(
         use_fp8=scales is not None,
         num_tokens=max_tokens,
         configured_capacity=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
-        deterministic=settings.deterministic,
+        deterministic=deterministic,
         num_sms=settings.num_sms if num_sms is None else num_sms,
     )
     recv_x, recv_scales, recv_idx, recv_weights, tokens_per_expert, handle = _DispatchFunction.apply(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -54,6 +55,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         return
     try:
         value = fn(rank, world_size, *args)
+        try:  # the queue pickles in a background thread, where an error would be lost (and the run hang)
+            pickle.dumps(value)
+        except Exception as error:
+            raise TypeError(f"{getattr(fn, '__name__', fn)} returned a {type(value).__name__}, which cannot be "
+                            f"sent back to the test process ({error}); return plain data instead.") from error
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         results.put((rank, False, traceback.format_exc()))

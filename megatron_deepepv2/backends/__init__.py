@@ -25,6 +25,7 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
+    uninitialized_memory_fill_off,
     worst_case_recv_rows,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
@@ -108,5 +109,6 @@ __all__ = [
     "backend_names",
     "register_backend",
     "resolve_backend",
+    "uninitialized_memory_fill_off",
     "worst_case_recv_rows",
 ]

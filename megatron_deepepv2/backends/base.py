@@ -31,16 +31,34 @@ The semantics mirror ``deep_ep.ElasticBuffer`` (DeepEP 2.1.0):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Optional, Protocol, Union
+from typing import Any, ClassVar, Iterator, NamedTuple, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
 
 #: Hidden states handed to dispatch: a BF16/FP32 tensor ``[T, H]`` or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
 HiddenStates = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+@contextlib.contextmanager
+def uninitialized_memory_fill_off() -> Iterator[None]:
+    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for the block, then restores it.
+
+    Under ``torch.use_deterministic_algorithms(True)`` (Megatron's ``--deterministic-mode``) the flag makes every
+    ``torch.empty`` launch a fill kernel. DeepEP asserts at each dispatch/combine that the two are not both on
+    (the fills may overlap its communication streams); results never read uninitialised rows, so turning the
+    fill off around those calls keeps them reproducible.
+    """
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
 class ExpertLayout(str, enum.Enum):

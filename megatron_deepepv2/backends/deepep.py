@@ -9,7 +9,9 @@ A thin layer: argument plumbing, the handle translation, and the fixes for DeepE
 * ``previous_event`` is only passed together with ``allocate_on_comm_stream`` (a host assert otherwise);
 * events are waited through ``EventOverlap.current_stream_wait`` only in async mode (it asserts otherwise),
   which is also what runs DeepEP's deterministic sort in async mode;
-* hybrid (RDMA x NVLink) mode is used only when the group spans nodes; single-node runs use direct mode.
+* hybrid (RDMA x NVLink) mode is used only when the group spans nodes; single-node runs use direct mode;
+* DeepEP asserts that torch's deterministic algorithms and ``fill_uninitialized_memory`` are not both on, so
+  every call into DeepEP runs with the fill off (Megatron's ``--deterministic-mode`` turns both on).
 
 ``deep_ep`` is imported lazily: this module imports without it, and :meth:`DeepEPBackend.unavailable_reason`
 explains what is missing.
@@ -36,6 +38,7 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
+    uninitialized_memory_fill_off,
 )
 
 logger = logging.getLogger(__name__)
@@ -139,6 +142,7 @@ class _EventOverlapWait:
     def __init__(self, event_overlap: Any) -> None:
         self._event_overlap = event_overlap
 
+    @uninitialized_memory_fill_off()
     def wait(self) -> None:
         # Also runs DeepEP's deterministic sort, registered as an after-wait hook in async mode.
         self._event_overlap.current_stream_wait()
@@ -207,17 +211,9 @@ class DeepEPBackend(DispatchBackend):
             return ValueError(
                 "Dispatch without host sync cannot be combined with deterministic mode on the DeepEP backend: "
                 "DeepEP 2.1.0's deterministic sort selects rows with boolean masks, which synchronises the host "
-                "(and fails in CUDA-graph capture). Turn off MEGATRON_DEEPEPV2_NO_HOST_SYNC or "
-                "MEGATRON_DEEPEPV2_DETERMINISTIC (the reference backend supports both together)."
-            )
-        # DeepEP asserts (bare AssertionError, at every dispatch/combine) that torch deterministic algorithms
-        # and fill_uninitialized_memory are not both on; the latter defaults to True.
-        if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
-            return RuntimeError(
-                "torch.use_deterministic_algorithms(True) is on with torch.utils.deterministic."
-                "fill_uninitialized_memory=True (its default), which DeepEP rejects at every dispatch. Set "
-                "torch.utils.deterministic.fill_uninitialized_memory = False; for a bit-exact deepepv2 path "
-                "use MEGATRON_DEEPEPV2_DETERMINISTIC=1."
+                "(and fails in CUDA-graph capture). Turn off MEGATRON_DEEPEPV2_NO_HOST_SYNC, or deterministic mode "
+                "(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode); the reference backend supports "
+                "both together."
             )
         return None
 
@@ -254,6 +250,7 @@ class DeepEPBackend(DispatchBackend):
     def _event(event_overlap: Any, async_finish: bool):
         return _EventOverlapWait(event_overlap) if async_finish else CompletedEvent()
 
+    @uninitialized_memory_fill_off()
     def dispatch(
         self,
         x: HiddenStates,
@@ -315,6 +312,7 @@ class DeepEPBackend(DispatchBackend):
             recv_weights = recv_weights.masked_fill_(mask, 0.0)
         return recv_idx, recv_weights
 
+    @uninitialized_memory_fill_off()
     def cached_dispatch(
         self,
         x: HiddenStates,
@@ -341,6 +339,7 @@ class DeepEPBackend(DispatchBackend):
         return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle,
                               self._event(event, async_finish))
 
+    @uninitialized_memory_fill_off()
     def combine(
         self,
         x: torch.Tensor,

@@ -7,6 +7,7 @@ mode on and off, side-stream contention) need 2 GPUs with DeepEP v2 and are not 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -55,7 +56,8 @@ def test_dispatcher_ops_replay_bit_exact(layout: str) -> None:
     run_distributed(_ops_replays, 4, layout)
 
 
-def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> None:
+def _replay_moe_layer(rank: int, layout: str, capacity_factor, extra: Optional[dict] = None):
+    """Builds a deepepv2 MoELayer, asserts 3 bit-exact replays of forward + backward; returns the layer."""
     from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
@@ -66,7 +68,7 @@ def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> N
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     shape = TinyMoEConfig(hidden=32, ffn=32, num_experts=8, topk=2, capacity_factor=capacity_factor,
-                          params_dtype=torch.bfloat16)
+                          params_dtype=torch.bfloat16, extra=extra or {})
     layer = build_moe_layer(shape, "deepepv2")
     x0 = torch.randn(24, 1, shape.hidden, generator=torch.Generator().manual_seed(rank), dtype=torch.bfloat16)
     manager = layer.token_dispatcher._comm_manager
@@ -82,6 +84,11 @@ def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> N
     run = moe_layer_replay(layer, x0, extra=lambda: {"grad_probs": probs_grad["probs"]})
     result = assert_replays_bit_exact(run, replays=3)
     assert len(result) >= 5
+    return layer
+
+
+def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> None:
+    _replay_moe_layer(rank, layout, capacity_factor)
 
 
 @pytest.mark.parametrize("layout,capacity_factor", [("expand", None), ("compact", None), ("expand", 0.5)])
@@ -115,20 +122,19 @@ def test_harness_compares_dtype_shape_and_signed_zero() -> None:
     assert bytes_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
 
 
-def test_deepep_preflight_rejects_fill_uninitialized_memory() -> None:
-    from megatron_deepepv2.backends import DeepEPBackend
+def _megatron_deterministic_mode(rank: int, world: int) -> None:
+    """Megatron's --deterministic-mode: config.deterministic_mode plus torch's deterministic algorithms (fill on)."""
+    from megatron_deepepv2 import buffers
 
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = True
-        problem = DeepEPBackend.preflight()
-        assert isinstance(problem, RuntimeError) and "fill_uninitialized_memory = False" in str(problem)
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        assert DeepEPBackend.preflight() is None
-    finally:
-        torch.use_deterministic_algorithms(False)
-        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+    torch.use_deterministic_algorithms(True)
+    layer = _replay_moe_layer(rank, "compact", None, extra={"deterministic_mode": True})
+    assert layer.token_dispatcher._comm_manager.deterministic
+    assert [buffer.spec.deterministic for buffer in buffers.active_buffers()] == [True]
+    assert torch.utils.deterministic.fill_uninitialized_memory  # the user's setting is left alone
+
+
+def test_megatron_deterministic_mode_makes_deepepv2_deterministic() -> None:
+    run_distributed(_megatron_deterministic_mode, 2, timeout=180)
 
 
 def test_deterministic_algorithms_context_restores_settings() -> None:
@@ -146,7 +152,7 @@ def _compact_deterministic_mode(rank: int, world: int) -> None:
     import megatron_deepepv2 as dv2
 
     dv2.configure(deterministic=True)
-    _moe_layer_replays(rank, world, "compact", None)
+    _replay_moe_layer(rank, "compact", None)
 
 
 def test_compact_layout_in_deterministic_mode_replays_bit_exact() -> None:

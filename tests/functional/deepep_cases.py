@@ -26,6 +26,8 @@ import megatron_deepepv2 as dv2  # noqa: E402
 from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
+# Read by cuBLAS when its handle is created; torch's deterministic algorithms (a case below) require it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 CASES: dict[str, Callable[[], None]] = {}
 
 
@@ -223,21 +225,28 @@ def moe_layer_matches_alltoall() -> None:
 
 @case
 def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
-    """Issue-4 GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention."""
+    """Issue-4 GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention; the
+    same with Megatron's --deterministic-mode (config.deterministic_mode and torch's deterministic algorithms with
+    fill_uninitialized_memory on, which DeepEP asserts against unless the adapter turns it off around its calls)."""
     from tests.determinism.harness import assert_replays_bit_exact, count_differing_replays, moe_layer_replay
 
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     dv2.install()
-    shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
-    x0 = torch.randn(1024, 1, shape.hidden, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16).cuda()
-    for deterministic in (True, False):
-        dv2.configure(layout="expand", backend="deepep", deterministic=deterministic)
-        run = moe_layer_replay(build_moe_layer(shape, "deepepv2", seed=9), x0)
-        if deterministic:
-            assert_replays_bit_exact(run, replays=3)
-        else:
-            log(f"  deterministic=False: {count_differing_replays(run, replays=3)} of 2 replays differed (informational)")
+    x0 = torch.randn(1024, 1, 1024, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16).cuda()
+    for mode in ("setting", "megatron", "off"):
+        extra = {"deterministic_mode": True} if mode == "megatron" else {}
+        shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16, extra=extra)
+        dv2.configure(layout="expand", backend="deepep", deterministic=mode == "setting")
+        torch.use_deterministic_algorithms(mode == "megatron")
+        try:
+            run = moe_layer_replay(build_moe_layer(shape, "deepepv2", seed=9), x0)
+            if mode == "off":
+                log(f"  deterministic off: {count_differing_replays(run, replays=3)} of 2 replays differed (informational)")
+            else:
+                assert_replays_bit_exact(run, replays=3)
+        finally:
+            torch.use_deterministic_algorithms(False)
         dv2.destroy_buffers()
     dv2.configure(deterministic=False)
 

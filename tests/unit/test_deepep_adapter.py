@@ -2,7 +2,8 @@
 
 The stand-in enforces the host-side rules of DeepEP 2.1.0 that the adapter must respect (cached dispatch
 needs ``num_sms`` and no ``topk_idx``; ``previous_event`` only with ``allocate_on_comm_stream``; zero padding
-only with expand; events waited only in async mode; explicit destroy) and computes with the reference
+only with expand; events waited only in async mode; explicit destroy; torch's deterministic algorithms never
+together with ``fill_uninitialized_memory``) and computes with the reference
 backend, so results can be compared. Real ElasticBuffer runs are in ``tests/functional``.
 """
 
@@ -37,11 +38,17 @@ class _Handle:
             self.psum_num_recv_tokens_per_expert = torch.cumsum(aligned, 0).to(torch.int32)
 
 
+def _check_torch_deterministic() -> None:
+    # deep_ep.utils.envs.check_torch_deterministic, called at every dispatch/combine (and sort).
+    assert not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory)
+
+
 class _EventOverlap:
     def __init__(self, is_async: bool, log: list) -> None:
         self.is_async, self.log = is_async, log
 
     def current_stream_wait(self) -> None:
+        _check_torch_deterministic()
         assert self.is_async, "DeepEP asserts: EventOverlap.event is None without async_with_compute_stream"
         self.log.append("wait")
 
@@ -68,6 +75,7 @@ class FakeElasticBuffer:
     def _check_common(self, previous_event, allocate_on_comm_stream, kwargs):
         if previous_event is not None:
             assert allocate_on_comm_stream, "previous_event requires allocate_on_comm_stream (host assert)"
+        _check_torch_deterministic()
         FakeElasticBuffer.calls.append(kwargs)
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, num_max_tokens_per_rank=None,
@@ -168,6 +176,39 @@ def _adapter_worker(rank: int, world: int) -> None:
                                     and c["zero"] == (layout is ExpertLayout.EXPAND) for c in cached_calls)
     backend.destroy()
     assert backend.buffer is None
+
+
+def _deterministic_algorithms_worker(rank: int, world: int) -> None:
+    """Megatron's --deterministic-mode turns on torch's deterministic algorithms with the fill left on (torch's
+    default): every adapter call must still pass DeepEP's check, and the user's setting must come back."""
+    _install_fake()
+    from megatron_deepepv2 import ops
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
+
+    spec = BufferSpec(hidden=8, num_topk=2, use_fp8=False, num_max_tokens_per_rank=16, num_sms=24, deterministic=True)
+    backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    assert backend.buffer.ctor["deterministic"] is True
+    problem = make_problem(43, [5, 3], 8, 4, 2, dtype=torch.float32)
+    rows = problem.rows(rank)
+    x, idx, w = problem.x[rows].clone().requires_grad_(), problem.topk_idx[rows], problem.topk_weights[rows]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        out = ops._DispatchFunction.apply(x, None, w, idx, backend, 4, ExpertLayout.EXPAND, 2, True, True, True, True)
+        y = ops._CombineFunction.apply(out[0] * 2, out[5], True, True)
+        y.sum().backward()
+        assert torch.utils.deterministic.fill_uninitialized_memory  # restored after every call
+    finally:
+        torch.use_deterministic_algorithms(False)
+    want = reference.dispatch(x.detach(), idx, w, num_experts=4, layout=ExpertLayout.EXPAND, expert_alignment=2,
+                              zero_padding=True)
+    torch.testing.assert_close(y, reference.combine(want.recv_x * 2, want.handle).x)
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0) * (idx >= 0).sum(1, keepdim=True))
+    backend.destroy()
+
+
+def test_adapter_passes_deepeps_determinism_check_under_deterministic_algorithms() -> None:
+    run_distributed(_deterministic_algorithms_worker, 2, env={"LOCAL_WORLD_SIZE": "2"})
 
 
 def group_of():
