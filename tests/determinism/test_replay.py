@@ -1,7 +1,8 @@
 """Bit-exact replays of the deepepv2 path: dispatcher ops and a MoELayer with deepepv2, forward and backward.
 
-These are the CPU cases (reference backend over gloo) and run in CI. The ElasticBuffer cases (deterministic
-mode on and off, side-stream contention) need 2 GPUs with DeepEP v2 and are not written yet.
+The CPU cases (reference backend over gloo) run in CI. The ElasticBuffer case (deterministic mode from the
+setting and from Megatron's --deterministic-mode, replays asserted; off, reported) needs 2 GPUs with DeepEP v2:
+it launches ``tests/functional/deepep_cases.py`` under torchrun and is skipped with the reason otherwise.
 """
 
 from __future__ import annotations

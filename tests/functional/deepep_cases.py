@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import megatron_deepepv2 as dv2  # noqa: E402
 from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend  # noqa: E402
+from tools.bench import time_op  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 # Read by cuBLAS when its handle is created; torch's deterministic algorithms (a case below) require it.
@@ -357,17 +358,8 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
                 else:
                     exact(f"{backend} replay {i} {name}", replayed[name], eager[name])
         log(f"  {backend}: graph replays equal eager on 2 new inputs")
-        timings = {}
-        for label, run in (("eager", lambda: _layer_step(layer, eager_x, grad)), ("graph", graph.replay)):
-            samples = []
-            for _ in range(12):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1000)
-            timings[label] = sorted(samples[2:])[len(samples[2:]) // 2]
+        timings = {label: time_op(run, iters=10, warmup=2)
+                   for label, run in (("eager", lambda: _layer_step(layer, eager_x, grad)), ("graph", graph.replay))}
         log(f"  {backend}: forward+backward eager {timings['eager']:.0f} us, graph replay {timings['graph']:.0f} us "
             f"(T={tokens} H={shape.hidden} E={shape.num_experts} top-{shape.topk})")
         graph = layer = None
