@@ -240,10 +240,18 @@ class _DeepepV2Manager(_DeepepManager):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> torch.Tensor:
-        """Sums every token's expert outputs back on its rank and releases the routing state."""
+        """Sums every token's expert outputs back on its rank and releases the routing state.
+
+        The router's ``token_probs`` go too (Megatron's v1 manager keeps them): they carry the step's autograd
+        graph, which would keep the parameters' gradient accumulators alive with the stream of the first step;
+        an eager step on the default stream then made a later CUDA-graph capture fail ("operation would make
+        the legacy stream depend on a capturing blocking stream").
+        """
         combined = ops.combine(
             hidden_states, self.handle, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream
         )
+        self.token_indices = None
+        self.token_probs = None
         self.handle = None
         self.dispatched_indices = None
         self.dispatched_probs = None

@@ -236,15 +236,8 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
 
 
 def _time_layer_graph(layer, x, grad, args) -> float:
-    """Median microseconds of a CUDA-graph replay of the layer's forward + backward (captured after warm-up).
-
-    The buffer is rebuilt during the side-stream warm-up, as in the functional test whose capture works: a
-    capture after a buffer built on the legacy default stream failed on 2x H200 with "operation would make the
-    legacy stream depend on a capturing blocking stream" (cause not established).
-    """
-    import megatron_deepepv2 as dv2  # noqa: PLC0415
-
-    dv2.destroy_buffers()
+    """Median microseconds of a CUDA-graph replay of the layer's forward + backward (captured after a side-stream
+    warm-up, after the eager rows ran on the default stream)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

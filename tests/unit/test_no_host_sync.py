@@ -245,3 +245,30 @@ def test_no_host_sync_rejects_experts_that_read_counts_on_the_host() -> None:
     assert "SequentialMLP reads tokens_per_expert on the host" in errors[0]
     assert "SyncFreeSequentialMLP" in errors[0]
     assert "needs the expand layout" in errors[1]
+
+
+def _graphs_left_after_a_step(rank: int, world: int, no_host_sync: bool) -> list[str]:
+    _setup()
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.configure(no_host_sync=no_host_sync, num_max_tokens_per_rank=16, layout="expand", validate=False)
+    layer = build_moe_layer(TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3), "deepepv2",
+                            sync_free_experts=no_host_sync)
+    x = torch.randn(12, 1, 32, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    y, _ = layer(x)
+    y.sum().backward()
+    del y
+    dispatcher = layer.token_dispatcher
+    holders = {"token_dispatcher": vars(dispatcher), "token_dispatcher._comm_manager": vars(dispatcher._comm_manager)}
+    return [f"{owner}.{name} ({type(value.grad_fn).__name__})" for owner, attributes in holders.items()
+            for name, value in attributes.items() if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+
+
+@pytest.mark.parametrize("no_host_sync", [False, True])
+def test_dispatcher_keeps_no_autograd_graph_after_a_step(no_host_sync: bool) -> None:
+    """A tensor with a grad_fn kept past the step keeps the parameters' gradient accumulators alive, with the
+    stream of the step that created them: after an eager step on the default stream, capturing the layer in a
+    CUDA graph then failed on the GPUs ("operation would make the legacy stream depend on a capturing blocking
+    stream"). The router's probs were such a tensor."""
+    for rank_holders in run_distributed(_graphs_left_after_a_step, 2, no_host_sync):
+        assert rank_holders == [], f"autograd graph kept after the step by {rank_holders}"
