@@ -238,20 +238,9 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
 def _time_layer_graph(layer, x, grad, args) -> float:
     """Median microseconds of a CUDA-graph replay of the layer's forward + backward (captured after a side-stream
     warm-up, after the eager rows ran on the default stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            y, _ = layer(x)
-            y.backward(grad)
-    torch.cuda.current_stream().wait_stream(side)
-    for p in layer.parameters():
-        p.grad = None
-    x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y, _ = layer(x)
-        y.backward(grad)
+    from megatron_deepepv2.testing.moe_model import capture_layer_step  # noqa: PLC0415
+
+    graph, _ = capture_layer_step(layer, x, grad)
     elapsed = time_op(graph.replay, args.iters, args.warmup)
     del graph
     return elapsed

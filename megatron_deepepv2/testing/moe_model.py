@@ -125,3 +125,46 @@ def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, syn
     torch.manual_seed(seed)
     layer = MoELayer(config=config, submodules=submodules)
     return layer.cuda() if torch.cuda.is_available() else layer
+
+
+def capture_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor,
+                       warmup_steps: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Captures one forward + backward of a MoE layer in a CUDA graph, after a warm-up on a side stream.
+
+    Needs no host sync on the dispatcher path (``no_host_sync`` with experts that take device-side counts).
+    Eager steps on the default stream may come before, once nothing they returned is referenced any more: a live
+    autograd graph ties the parameters' gradient accumulators to that step's stream and the capture fails.
+
+    Args:
+        layer: The layer; its parameters' ``.grad`` are cleared before every step and the capture.
+        x: Static input (``requires_grad``); copy new values into it before each replay.
+        grad: Gradient of the output.
+        warmup_steps: Eager steps on the side stream before the capture (buffers, JIT, allocator).
+
+    Returns:
+        The graph and its static output. ``x.grad`` and the parameters' ``.grad`` set during the capture are the
+        memory every replay writes.
+    """
+
+    def step() -> torch.Tensor:
+        for param in layer.parameters():
+            param.grad = None
+        x.grad = None
+        output, _ = layer(x)
+        output.backward(grad)
+        return output
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for param in layer.parameters():
+        param.grad = None
+    x.grad = None
+    with torch.cuda.graph(graph):
+        output, _ = layer(x)
+        output.backward(grad)
+    return graph, output

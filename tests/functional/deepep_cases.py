@@ -315,7 +315,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
     on new inputs. Reference backend: every tensor bitwise. DeepEP (rows arrive in atomic order without
     deterministic mode, which needs host syncs): output, input and router gradients bitwise, expert weight
     gradients within BF16 tolerance."""
-    from megatron_deepepv2.testing.moe_model import TinyMoEConfig
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, capture_layer_step
 
     dv2.install()
     shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
@@ -327,19 +327,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
         layer = _graph_layer(backend, shape, tokens)
         static_x = inputs[0].clone().requires_grad_()
         _layer_step(layer, static_x, grad)  # an eager step on the default stream first, as in a training loop
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs asks
-            for _ in range(2):
-                _layer_step(layer, static_x, grad)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        for p in layer.parameters():
-            p.grad = None
-        static_x.grad = None
-        with torch.cuda.graph(graph):
-            static_y, _ = layer(static_x)
-            static_y.backward(grad)
+        graph, static_y = capture_layer_step(layer, static_x, grad)
         # The gradients allocated during capture are the memory every replay writes.
         static_grads = {"output": static_y, "grad_x": static_x.grad}
         static_grads.update({n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
