@@ -127,6 +127,25 @@ def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, syn
     return layer.cuda() if torch.cuda.is_available() else layer
 
 
+def layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """One forward + backward of a MoE layer from cleared gradients.
+
+    Args:
+        layer: The layer (returns ``(output, bias)``).
+        x: Input (``requires_grad``); its ``.grad`` and the parameters' are set to this step's.
+        grad: Gradient of the output.
+
+    Returns:
+        The output.
+    """
+    for param in layer.parameters():
+        param.grad = None
+    x.grad = None
+    output, _ = layer(x)
+    output.backward(grad)
+    return output
+
+
 def capture_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor,
                        warmup_steps: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Captures one forward + backward of a MoE layer in a CUDA graph, after a warm-up on a side stream.
@@ -146,19 +165,11 @@ def capture_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tens
         memory every replay writes.
     """
 
-    def step() -> torch.Tensor:
-        for param in layer.parameters():
-            param.grad = None
-        x.grad = None
-        output, _ = layer(x)
-        output.backward(grad)
-        return output
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup_steps):
-            step()
+            layer_step(layer, x, grad)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     for param in layer.parameters():

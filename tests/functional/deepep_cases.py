@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import megatron_deepepv2 as dv2  # noqa: E402
 from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend  # noqa: E402
+from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
 from tools.bench import time_op  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
@@ -295,15 +296,6 @@ def _graph_layer(backend: str, shape, tokens: int):
     return build_moe_layer(shape, "deepepv2", seed=13, sync_free_experts=True)
 
 
-def _layer_step(layer, x, grad):
-    for p in layer.parameters():
-        p.grad = None
-    x.grad = None
-    y, _ = layer(x)
-    y.backward(grad)
-    return y
-
-
 def _snapshot(layer, x, y):
     return {"output": y.detach().clone(), "grad_x": x.grad.clone(),
             **{n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}}
@@ -315,7 +307,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
     on new inputs. Reference backend: every tensor bitwise. DeepEP (rows arrive in atomic order without
     deterministic mode, which needs host syncs): output, input and router gradients bitwise, expert weight
     gradients within BF16 tolerance."""
-    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, capture_layer_step
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig
 
     dv2.install()
     shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
@@ -326,14 +318,14 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
     for backend in ("reference", "deepep"):
         layer = _graph_layer(backend, shape, tokens)
         static_x = inputs[0].clone().requires_grad_()
-        _layer_step(layer, static_x, grad)  # an eager step on the default stream first, as in a training loop
+        layer_step(layer, static_x, grad)  # an eager step on the default stream first, as in a training loop
         graph, static_y = capture_layer_step(layer, static_x, grad)
         # The gradients allocated during capture are the memory every replay writes.
         static_grads = {"output": static_y, "grad_x": static_x.grad}
         static_grads.update({n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
         for i, x_new in enumerate(inputs[1:]):
             eager_x = x_new.clone().requires_grad_()
-            eager = _snapshot(layer, eager_x, _layer_step(layer, eager_x, grad))
+            eager = _snapshot(layer, eager_x, layer_step(layer, eager_x, grad))
             static_x.data.copy_(x_new)
             graph.replay()
             torch.cuda.synchronize()
@@ -348,7 +340,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
                     exact(f"{backend} replay {i} {name}", replayed[name], eager[name])
         log(f"  {backend}: graph replays equal eager on 2 new inputs")
         timings = {label: time_op(run, iters=10, warmup=2)
-                   for label, run in (("eager", lambda: _layer_step(layer, eager_x, grad)), ("graph", graph.replay))}
+                   for label, run in (("eager", lambda: layer_step(layer, eager_x, grad)), ("graph", graph.replay))}
         log(f"  {backend}: forward+backward eager {timings['eager']:.0f} us, graph replay {timings['graph']:.0f} us "
             f"(T={tokens} H={shape.hidden} E={shape.num_experts} top-{shape.topk})")
         graph = layer = None
@@ -379,7 +371,7 @@ def shared_expert_overlap_matches_serial() -> None:
             layer = build_moe_layer(shape, dispatcher, seed=21)
             assert layer.shared_experts is not None and layer.shared_expert_overlap == overlap
             x = x0.clone().requires_grad_()
-            runs[overlap] = _snapshot(layer, x, _layer_step(layer, x, torch.ones_like(x0)))
+            runs[overlap] = _snapshot(layer, x, layer_step(layer, x, torch.ones_like(x0)))
             dv2.destroy_buffers()
         serial, overlapped = runs[False], runs[True]
         assert serial.keys() == overlapped.keys()
