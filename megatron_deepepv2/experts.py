@@ -1,4 +1,9 @@
-"""Experts for the no-host-sync mode: which Megatron expert modules take device-side token counts.
+"""Grouped-GEMM experts for the deepepv2 path, and which Megatron expert modules take device-side counts.
+
+:class:`SyncFreeSequentialMLP` is Megatron's ``SequentialMLP`` (same parameters, initialisation and checkpoint
+keys) computed as two grouped GEMMs with fused activation kernels: it is the fast choice for users without
+Transformer Engine in both modes, with or without host sync (:func:`with_sync_free_experts` puts it into a
+layer spec).
 
 Without host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``) the deepepv2 dispatcher hands the experts the
 worst-case expand buffer (expert blocks first, then unused rows) and ``tokens_per_expert`` as a device
@@ -8,8 +13,8 @@ on the host:
 =====================================================  ==========================================================
 expert module                                          no-host-sync support
 =====================================================  ==========================================================
-:class:`SyncFreeSequentialMLP` (this module)            yes: one ``torch._grouped_mm`` per projection over the
-                                                       stacked weights of Megatron's ``SequentialMLP`` experts
+:class:`SyncFreeSequentialMLP` (this module)            yes: one ``torch._grouped_mm`` per projection over
+                                                       the experts' stacked weights, rows past the blocks skipped
 ``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``  yes (megatron-core >= 0.19 with Transformer Engine):
 and ``moe_grouped_gemm``                               the fused grouped MLP takes device counts, as Megatron's
                                                        own NCCL-EP static-shape mode requires
@@ -22,10 +27,16 @@ it when a deepepv2 ``MoELayer`` is built in this mode).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+from megatron_deepepv2 import expert_kernels
 
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
@@ -69,18 +80,89 @@ def check_experts_take_device_counts(experts: Any) -> None:
         raise ValueError(problem)
 
 
+class _ZeroRowsPastBlocks(torch.autograd.Function):
+    """Forward: zeroes ``x[total:]`` in place (the output contract). Backward: the gradient as it comes.
+
+    The gradient of the zeroed rows is not zeroed: the grouped GEMM before this op reads only the rows of
+    the expert blocks (``offs``), so those rows of the gradient are never used.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.mark_dirty(x)
+        return expert_kernels.zero_rows_from(x, total)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad, None
+
+
+class _ZeroGradPastBlocks(torch.autograd.Function):
+    """Forward: identity. Backward: zeroes the gradient's rows from ``total`` on (the input-gradient contract)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(total)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        (total,) = ctx.saved_tensors
+        # The grouped GEMM's input gradient is a fresh tensor that only this op consumes: zero it in place.
+        return expert_kernels.zero_rows_from(grad.contiguous(), total), None
+
+
+class _SwigluProbs(torch.autograd.Function):
+    """``silu(gate) * up * probs`` over the rows of the expert blocks (fused Triton kernels)."""
+
+    @staticmethod
+    def forward(ctx: Any, fc1_out: torch.Tensor, probs: torch.Tensor, total: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(fc1_out, probs, total)
+        return expert_kernels.swiglu_probs_forward(fc1_out, probs, total)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        fc1_out, probs, total = ctx.saved_tensors
+        grad_fc1, grad_probs = expert_kernels.swiglu_probs_backward(grad.contiguous(), fc1_out, probs, total)
+        return grad_fc1, grad_probs, None
+
+def _stack_expert_weights(linears: list[torch.nn.Module]) -> torch.nn.Parameter:
+    """One ``[E, out, in]`` parameter from the experts' ``[out, in]`` weights, with their Megatron attributes.
+
+    The attributes (``allreduce=False`` marks expert parameters for Megatron's DDP, tensor-parallel flags, ...)
+    carry over; ``partition_dim`` moves one dimension right past the new expert dimension.
+    """
+    originals = [linear.weight for linear in linears]
+    stacked = torch.nn.Parameter(torch.stack([w.detach() for w in originals]), requires_grad=originals[0].requires_grad)
+    for name, value in vars(originals[0]).items():
+        setattr(stacked, name, value + 1 if name == "partition_dim" else value)
+    for linear in linears:
+        del linear._parameters["weight"]
+    return stacked
+
+
 class SyncFreeSequentialMLP(SequentialMLP):
-    """``SequentialMLP`` whose forward never reads ``tokens_per_expert`` on the host.
+    """Megatron's ``SequentialMLP`` as two grouped GEMMs, without host sync and at GEMM speed.
 
-    The parameters, their names, initialisation and checkpoint layout are exactly ``SequentialMLP``'s
-    (one Megatron ``MLP`` per local expert), so checkpoints move freely between the two. The forward
-    stacks the experts' weights and runs one ``torch._grouped_mm`` per projection with the expert
-    offsets computed on the device: rows past the last expert block (the no-host-sync worst-case tail)
-    are neither read nor written -- their outputs and input gradients are zero.
+    A drop-in for ``SequentialMLP`` (what Megatron's local layer spec builds without Transformer Engine): same
+    construction, initialisation and checkpoints; :func:`with_sync_free_experts` puts it into a layer spec.
 
-    Supported: expert tensor parallelism 1, linear layers without bias, BF16/FP32 (no FP8/FP4), any
-    activation ``MLP`` supports through ``config.activation_func`` / ``gated_linear_unit``. Numerics
-    equal ``SequentialMLP``'s up to GEMM rounding (a grouped GEMM instead of one GEMM per expert).
+    * **Parameters**: the experts' FC1 and FC2 weights live stacked as ``weight1 [E, fc1_out, H]`` and
+      ``weight2 [E, H, ffn]`` (initialised exactly as ``SequentialMLP`` initialises its experts), so no forward
+      stacks or splits weights. ``state_dict`` / ``load_state_dict`` and Megatron's ``sharded_state_dict`` use
+      ``SequentialMLP``'s keys (``local_experts.<i>.linear_fc1.weight``, ...), so checkpoints move freely
+      between the two.
+    * **Compute**: ``torch._grouped_mm`` per projection with the expert offsets computed on the device; the
+      SwiGLU activation times the router probabilities runs as one fused Triton kernel forward and one backward
+      (BF16/FP16 on CUDA; other activations and the CPU run the same maths in PyTorch ops).
+    * **No host sync**: ``tokens_per_expert`` may be a device tensor; it is never read on the host. Rows past the
+      last expert block (the worst-case tail of the no-host-sync dispatch) are neither read nor computed on:
+      the GEMMs stop at the blocks, the fused kernels skip those rows, and only the zeroing of their outputs and
+      input gradients touches them. With host counts that sum to the row count there is no tail and no zeroing.
+
+    Supported: expert tensor parallel size 1, linear layers without bias, no FP8/FP4, no delayed weight
+    gradients, any activation ``MLP`` supports through ``config.activation_func`` / ``gated_linear_unit``.
+    Numerics equal ``SequentialMLP``'s up to rounding (grouped GEMMs; the fused SwiGLU computes in FP32).
 
     Args:
         num_local_experts: Experts on this rank.
@@ -107,7 +189,49 @@ class SyncFreeSequentialMLP(SequentialMLP):
                 "SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; for FP8/FP4 without host sync use TEGroupedMLP "
                 "with --use-transformer-engine-op-fuser."
             )
+        if getattr(self.config, "delay_wgrad_compute", False):
+            raise ValueError("SyncFreeSequentialMLP computes weight gradients in backward; unset --delay-wgrad-compute.")
+        if getattr(self.config, "use_te_activation_func", False):
+            raise ValueError("SyncFreeSequentialMLP applies config.activation_func itself; unset --use-te-activation-func.")
+        self.weight1 = _stack_expert_weights([expert.linear_fc1 for expert in self.local_experts])
+        self.weight2 = _stack_expert_weights([expert.linear_fc2 for expert in self.local_experts])
+        # Resolved once: whether the activation is Megatron's plain SwiGLU (the fused kernels' case).
+        self._plain_swiglu = bool(
+            self.config.gated_linear_unit
+            and self.config.activation_func is F.silu
+            and getattr(self.config, "activation_func_clamp_value", None) is None
+            and not getattr(self.config, "glu_linear_offset", 0.0)
+        )
+        self._register_state_dict_hook(_expert_keys_in_state_dict)
+        self._register_load_state_dict_pre_hook(_stacked_weights_from_expert_keys, with_module=True)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _expert_key(self, index: int, linear: str) -> str:
+        return f"local_experts.{index}.{linear}.weight"
+
+    @contextlib.contextmanager
+    def _expert_weight_views(self) -> Iterator[None]:
+        """Gives every expert's linear layers a ``weight`` buffer viewing its slice of the stacked weights."""
+        linears = []
+        for index, expert in enumerate(self.local_experts):
+            for linear, stacked in ((expert.linear_fc1, self.weight1), (expert.linear_fc2, self.weight2)):
+                linear.register_buffer("weight", stacked.detach()[index])
+                linears.append(linear)
+        try:
+            yield
+        finally:
+            for linear in linears:
+                del linear._buffers["weight"]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """``SequentialMLP``'s sharded state dict (same keys and shards), over views of the stacked weights."""
+        with self._expert_weight_views():
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def backward_dw(self) -> None:
+        """Nothing to do: weight gradients are computed in backward (delayed weight gradients are rejected)."""
+
+    # -- compute -------------------------------------------------------------------------------
     def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
         """``MLP``'s unfused activation (GLU with its clamp and offset, or the plain activation)."""
         config = self.config
@@ -129,26 +253,120 @@ class SyncFreeSequentialMLP(SequentialMLP):
 
         Args:
             permuted_local_hidden_states: ``[N, H]`` rows grouped by expert; rows past the blocks are ignored.
-            tokens_per_expert: ``[E_local]`` rows per expert (device or host tensor, never read on the host).
+            tokens_per_expert: ``[E_local]`` rows per expert, a host tensor or a device tensor (never read on
+                the host).
             permuted_probs: ``[N]`` router probability of each row.
 
         Returns:
             ``([N, H]`` outputs, zero past the blocks; ``None`` bias).
         """
         hidden = permuted_local_hidden_states
+        probs = permuted_probs
         if self.config.moe_apply_probs_on_input:
-            hidden = (permuted_probs.unsqueeze(-1) * hidden).to(hidden.dtype)
-            permuted_probs = torch.ones_like(permuted_probs)
-        counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        in_blocks = (torch.arange(hidden.shape[0], device=hidden.device) < offsets[-1]).unsqueeze(1)
-        hidden = torch.where(in_blocks, hidden, 0)
+            hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+            probs = torch.ones_like(probs)
+        num_rows = hidden.shape[0]
+        if tokens_per_expert.shape != (self.num_local_experts,):
+            raise ValueError(
+                f"tokens_per_expert has shape {tuple(tokens_per_expert.shape)}; expected ({self.num_local_experts},), "
+                "one row count per local expert."
+            )
+        if tokens_per_expert.device.type == "cpu" and hidden.device.type != "cpu":
+            # Host counts of device rows (the host-sync path): the row total is known without a device sync.
+            offsets = torch.cumsum(tokens_per_expert.to(torch.int64), 0).to(torch.int32)
+            has_tail = int(offsets[-1]) < num_rows
+            offsets = offsets.to(hidden.device, non_blocking=True)
+        else:
+            # Counts beside the rows: reading them on the host would sync it, so the buffer may have a tail.
+            offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+            has_tail = True
+        total = offsets[-1:]
+        fused = (
+            self._plain_swiglu
+            and hidden.is_cuda
+            and expert_kernels.AVAILABLE
+            and hidden.dtype in (torch.bfloat16, torch.float16)
+        )
+        if fused:
+            return self._forward_fused(hidden, probs.float(), offsets, total, has_tail), None
+        return self._forward_unfused(hidden, probs, offsets, total, has_tail), None
 
-        # [E, out, in] weights; transposed views give the column-major [E, in, out] grouped GEMM operand.
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])
-        intermediate = torch._grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
-        intermediate = self._activation(intermediate)
-        intermediate = (intermediate * permuted_probs.unsqueeze(-1)).to(hidden.dtype)
-        output = torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offsets)
-        return torch.where(in_blocks, output, 0), None
+    def _forward_fused(self, hidden, probs, offsets, total, has_tail: bool) -> torch.Tensor:
+        if has_tail:
+            hidden = _ZeroGradPastBlocks.apply(hidden, total)
+        # [E, out, in] weights; the transposed views are the column-major [E, in, out] operands.
+        fc1_out = torch._grouped_mm(hidden, self.weight1.transpose(1, 2), offs=offsets)
+        intermediate = _SwigluProbs.apply(fc1_out, probs, total)
+        output = torch._grouped_mm(intermediate, self.weight2.transpose(1, 2), offs=offsets)
+        return _ZeroRowsPastBlocks.apply(output, total) if has_tail else output
+
+    def _forward_unfused(self, hidden, probs, offsets, total, has_tail: bool) -> torch.Tensor:
+        # PyTorch ops over every row: rows past the blocks are masked, so nothing they hold reaches a result.
+        in_blocks = None
+        if has_tail:
+            in_blocks = (torch.arange(hidden.shape[0], device=hidden.device) < total).unsqueeze(1)
+            hidden = torch.where(in_blocks, hidden, 0)
+            probs = torch.where(in_blocks.squeeze(1), probs, 0)
+        fc1_out = torch._grouped_mm(hidden, self.weight1.transpose(1, 2), offs=offsets)
+        if in_blocks is not None:
+            fc1_out = torch.where(in_blocks, fc1_out, 0)
+        intermediate = self._activation(fc1_out)
+        intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
+        output = torch._grouped_mm(intermediate, self.weight2.transpose(1, 2), offs=offsets)
+        return torch.where(in_blocks, output, 0) if in_blocks is not None else output
+
+
+def _expert_keys_in_state_dict(module: SyncFreeSequentialMLP, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict hook: the stacked weights leave under ``SequentialMLP``'s per-expert keys."""
+    for name, linear in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
+        stacked = state_dict.pop(prefix + name)
+        for index in range(module.num_local_experts):
+            state_dict[prefix + module._expert_key(index, linear)] = stacked[index]
+
+
+def _stacked_weights_from_expert_keys(module: SyncFreeSequentialMLP, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook: ``SequentialMLP``'s per-expert weights are stacked into ``weight1`` / ``weight2``.
+
+    A state dict with only some of an expert weight's keys is left as it is, so strict loading reports them.
+    """
+    for name, linear in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
+        keys = [prefix + module._expert_key(index, linear) for index in range(module.num_local_experts)]
+        if all(key in state_dict for key in keys):
+            state_dict[prefix + name] = torch.stack([state_dict.pop(key) for key in keys])
+
+
+def with_sync_free_experts(layer_spec: Any) -> Any:
+    """A copy of a layer spec whose MoE experts are :class:`SyncFreeSequentialMLP`.
+
+    Takes what Megatron's ``get_gpt_layer_local_spec(num_experts=...)`` (or a decoder block spec's layer) returns:
+    a ``ModuleSpec`` whose ``submodules.mlp`` is the MoE layer, built with ``SequentialMLP`` experts.
+
+    Args:
+        layer_spec: A transformer-layer ``ModuleSpec`` with a MoE MLP.
+
+    Returns:
+        The spec with the experts module replaced; ``layer_spec`` itself is unchanged.
+
+    Raises:
+        ValueError: If the spec has no MoE experts to replace.
+    """
+    mlp = layer_spec.submodules.mlp
+    moe_submodules = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(
+        mlp, "submodules", None)
+    experts = getattr(moe_submodules, "experts", None)
+    if experts is None:
+        raise ValueError("with_sync_free_experts needs a layer spec whose mlp is a MoE layer with an experts module "
+                         "(e.g. get_gpt_layer_local_spec(num_experts=...)).")
+    moe_submodules = dataclasses.replace(moe_submodules, experts=_with_module(experts, SyncFreeSequentialMLP))
+    if isinstance(mlp, functools.partial):
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules})
+    else:
+        mlp = dataclasses.replace(mlp, submodules=moe_submodules)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
+
+
+def _with_module(spec: Any, module: type) -> Any:
+    """An experts entry with another module class (a ``partial`` from megatron-core 0.19, else a ModuleSpec)."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(module, *spec.args, **spec.keywords)
+    return dataclasses.replace(spec, module=module)

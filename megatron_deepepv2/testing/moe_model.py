@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,13 +87,6 @@ def transformer_config(shape: TinyMoEConfig, dispatcher: str):
     return TransformerConfig(**fields)
 
 
-def _with_experts_module(experts_spec, module: type):
-    """The local spec's experts entry with another module class (a ``partial`` from 0.19, else a ModuleSpec)."""
-    if isinstance(experts_spec, functools.partial):
-        return functools.partial(module, *experts_spec.args, **experts_spec.keywords)
-    return dataclasses.replace(experts_spec, module=module)
-
-
 def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, sync_free_experts: bool = False):
     """Builds a megatron-core ``MoELayer`` with SequentialMLP experts (no Transformer Engine needed).
 
@@ -114,14 +106,12 @@ def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, syn
     init_expert_parallel()
     config = transformer_config(shape, dispatcher)
     spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
+    if sync_free_experts:
+        from megatron_deepepv2.experts import with_sync_free_experts  # noqa: PLC0415
+
+        spec = with_sync_free_experts(spec)
     mlp = spec.submodules.mlp
     submodules = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
-    if sync_free_experts:
-        from megatron_deepepv2.experts import SyncFreeSequentialMLP  # noqa: PLC0415
-
-        submodules = dataclasses.replace(
-            submodules, experts=_with_experts_module(submodules.experts, SyncFreeSequentialMLP)
-        )
     torch.manual_seed(seed)
     layer = MoELayer(config=config, submodules=submodules)
     return layer.cuda() if torch.cuda.is_available() else layer

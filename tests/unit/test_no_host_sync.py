@@ -190,7 +190,7 @@ def _moe_layer(rank: int, world: int, alignment: int) -> dict:
         with no_host_reads() if staged else contextlib.nullcontext():
             (y * grad).sum().backward()
         grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-        return y.detach(), xin.grad, grads
+        return y.detach(), xin.grad, _per_expert_names(grads)
 
     expected = run(reference, False)
     layer(x)[0].sum().backward()  # warm-up: builds the buffer (a collective, outside the checked region)
@@ -201,6 +201,19 @@ def _moe_layer(rank: int, world: int, alignment: int) -> dict:
     for name in expected[2]:
         torch.testing.assert_close(actual[2][name], expected[2][name], rtol=1e-5, atol=1e-6, msg=name)
     return {}
+
+
+def _per_expert_names(grads: dict) -> dict:
+    """SyncFreeSequentialMLP's stacked weight gradients under SequentialMLP's per-expert parameter names."""
+    renamed = {}
+    for name, grad in grads.items():
+        stacked = {"experts.weight1": "linear_fc1", "experts.weight2": "linear_fc2"}.get(name)
+        if stacked is None:
+            renamed[name] = grad
+            continue
+        for index, expert_grad in enumerate(grad):
+            renamed[f"experts.local_experts.{index}.{stacked}.weight"] = expert_grad
+    return renamed
 
 
 def _forward_deepepv2_without_host_reads(layer, x: torch.Tensor) -> torch.Tensor:

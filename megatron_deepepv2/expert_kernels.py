@@ -1,0 +1,177 @@
+"""Row-bounded elementwise kernels of the grouped-GEMM experts (Triton, CUDA only).
+
+The experts' input can be the worst-case receive buffer of the no-host-sync mode: expert blocks first, then
+rows no expert owns. The grouped GEMMs stop at the last expert block by themselves (``offs``); these kernels
+do the same for the elementwise work between them. Each reads the row count of the blocks from the device
+(``offsets[-1]``) and returns at once for rows past it, so their cost follows the rows in use, not the
+buffer, and nothing reads the count on the host.
+
+* :func:`swiglu_probs_forward` / :func:`swiglu_probs_backward`: Megatron's SwiGLU
+  (``silu(gate) * up``, gate = first half of the FC1 output) times the router probability of each row,
+  forward and backward (input gradient and probability gradient) in one pass each, computed in FP32.
+* :func:`zero_rows_from`: zeroes the rows past the blocks of a tensor (writes only those rows).
+
+:data:`AVAILABLE` says whether Triton can be imported; callers use these kernels for CUDA tensors only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with every CUDA build of PyTorch on Linux
+    triton = None
+    tl = None
+
+#: Whether the Triton kernels of this module can be used (for CUDA tensors).
+AVAILABLE = triton is not None
+
+_BLOCK_ROWS = 16
+_BLOCK_COLS = 256
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _swiglu_probs_forward_kernel(
+        fc1_ptr, probs_ptr, out_ptr, total_ptr, ffn, fc1_row_stride, out_row_stride,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        total = tl.load(total_ptr).to(tl.int64)
+        first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
+        if first_row >= total:
+            return
+        rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < total
+        mask = row_ok[:, None] & (cols[None, :] < ffn)
+        gate_ptrs = fc1_ptr + rows[:, None] * fc1_row_stride + cols[None, :]
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + ffn, mask=mask, other=0.0).to(tl.float32)
+        prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up * prob[:, None]
+        tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :], act.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _swiglu_probs_backward_kernel(
+        grad_ptr, fc1_ptr, probs_ptr, grad_fc1_ptr, grad_probs_ptr, total_ptr, num_rows, ffn,
+        grad_row_stride, fc1_row_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        total = tl.load(total_ptr).to(tl.int64)
+        first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
+        rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_ok = rows < total
+        grad_prob = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if first_row < total:
+            prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            for start in range(0, ffn, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_ok[:, None] & (cols[None, :] < ffn)
+                grad = tl.load(grad_ptr + rows[:, None] * grad_row_stride + cols[None, :], mask=mask,
+                               other=0.0).to(tl.float32)
+                gate_ptrs = fc1_ptr + rows[:, None] * fc1_row_stride + cols[None, :]
+                gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(gate_ptrs + ffn, mask=mask, other=0.0).to(tl.float32)
+                sig = tl.sigmoid(gate)
+                silu = gate * sig
+                grad_prob += tl.sum(silu * up * grad, axis=1)
+                grad_act = grad * prob[:, None]
+                grad_gate = grad_act * up * (sig + silu * (1.0 - sig))
+                grad_up = grad_act * silu
+                out_ptrs = grad_fc1_ptr + rows[:, None] * fc1_row_stride + cols[None, :]
+                tl.store(out_ptrs, grad_gate.to(grad_fc1_ptr.dtype.element_ty), mask=mask)
+                tl.store(out_ptrs + ffn, grad_up.to(grad_fc1_ptr.dtype.element_ty), mask=mask)
+        # One float per row, tail rows included: their probability gradient is zero.
+        tl.store(grad_probs_ptr + rows, grad_prob, mask=rows < num_rows)
+
+    @triton.jit
+    def _zero_rows_from_kernel(x_ptr, total_ptr, num_rows, num_cols, row_stride,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        total = tl.load(total_ptr).to(tl.int64)
+        first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
+        if first_row + BLOCK_M <= total:
+            return
+        rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = ((rows >= total) & (rows < num_rows))[:, None] & (cols[None, :] < num_cols)
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=x_ptr.dtype.element_ty)
+        tl.store(x_ptr + rows[:, None] * row_stride + cols[None, :], zeros, mask=mask)
+
+
+def _check_rows(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 2 or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be a 2-D tensor with contiguous rows; got shape {tuple(tensor.shape)} "
+                         f"and strides {tensor.stride()}.")
+
+
+def swiglu_probs_forward(fc1_out: torch.Tensor, probs: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up * probs[:, None]`` for the rows before ``total``.
+
+    Args:
+        fc1_out: ``[N, 2F]`` FC1 output (gate columns first, then up), rows contiguous.
+        probs: ``[N]`` fp32 router probability of each row.
+        total: 1-element int tensor on the device: rows in the expert blocks.
+
+    Returns:
+        ``[N, F]`` in ``fc1_out``'s dtype; rows from ``total`` on are left unwritten.
+    """
+    _check_rows("fc1_out", fc1_out)
+    num_rows, ffn = fc1_out.shape[0], fc1_out.shape[1] // 2
+    out = torch.empty((num_rows, ffn), dtype=fc1_out.dtype, device=fc1_out.device)
+    grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(ffn, _BLOCK_COLS))
+    if num_rows:
+        _swiglu_probs_forward_kernel[grid](
+            fc1_out, probs, out, total, ffn, fc1_out.stride(0), out.stride(0),
+            BLOCK_M=_BLOCK_ROWS, BLOCK_N=_BLOCK_COLS,
+        )
+    return out
+
+
+def swiglu_probs_backward(
+    grad_out: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Tensor, total: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`swiglu_probs_forward` for the rows before ``total``.
+
+    Args:
+        grad_out: ``[N, F]`` gradient of the forward output, rows contiguous.
+        fc1_out: ``[N, 2F]`` the forward input.
+        probs: ``[N]`` fp32 probabilities.
+        total: See :func:`swiglu_probs_forward`.
+
+    Returns:
+        ``[N, 2F]`` gradient of ``fc1_out`` (rows from ``total`` on unwritten) and ``[N]`` fp32 gradient of
+        ``probs`` (zero from ``total`` on).
+    """
+    _check_rows("grad_out", grad_out)
+    _check_rows("fc1_out", fc1_out)
+    num_rows, ffn = grad_out.shape
+    grad_fc1 = torch.empty_like(fc1_out)
+    grad_probs = torch.empty((num_rows,), dtype=torch.float32, device=grad_out.device)
+    if num_rows:
+        _swiglu_probs_backward_kernel[(triton.cdiv(num_rows, _BLOCK_ROWS),)](
+            grad_out, fc1_out, probs, grad_fc1, grad_probs, total, num_rows, ffn,
+            grad_out.stride(0), fc1_out.stride(0), BLOCK_M=_BLOCK_ROWS, BLOCK_N=_BLOCK_COLS,
+        )
+    return grad_fc1, grad_probs
+
+
+def zero_rows_from(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Zeroes ``x[total:]`` in place, writing only those rows.
+
+    Args:
+        x: ``[N, C]`` tensor with contiguous rows.
+        total: 1-element int tensor on the device.
+
+    Returns:
+        ``x``.
+    """
+    _check_rows("x", x)
+    num_rows, num_cols = x.shape
+    if num_rows:
+        grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(num_cols, _BLOCK_COLS))
+        _zero_rows_from_kernel[grid](x, total, num_rows, num_cols, x.stride(0),
+                                     BLOCK_M=_BLOCK_ROWS, BLOCK_N=_BLOCK_COLS)
+    return x
