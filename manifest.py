@@ -81,11 +81,12 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="sync_free_experts",
-        sources=("megatron_deepepv2/experts.py",),
-        tests=_REPLAY_TESTS,
+        sources=("megatron_deepepv2/experts.py", "megatron_deepepv2/expert_kernels.py"),
+        tests=_REPLAY_TESTS + ("tests/unit/test_experts.py",),
         kind="torch-op",
-        notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts; MoELayer replays (CPU) and "
-        "CUDA-graph replay vs eager (GPU) bitwise.",
+        notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts and row-bounded Triton SwiGLU / "
+        "tail-zeroing kernels (no atomics; each row's probability gradient is summed by one program in a fixed "
+        "order); MoELayer replays (CPU) and CUDA-graph replay vs eager (GPU) bitwise.",
     ),
     KernelEntry(
         name="buffer_lifecycle_and_agreement",

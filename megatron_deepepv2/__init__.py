@@ -18,7 +18,7 @@ from megatron_deepepv2.backends import (
 )
 from megatron_deepepv2.buffers import destroy_buffers
 from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
-from megatron_deepepv2.ops import DispatchResult, combine, dispatch
+from megatron_deepepv2.ops import DispatchConfig, DispatchResult, combine, dispatch
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ def install():
 __all__ = [
     "DeepepV2Settings",
     "DispatchHandle",
+    "DispatchConfig",
     "DispatchResult",
     "ExpertLayout",
     "__version__",

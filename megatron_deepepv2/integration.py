@@ -238,10 +238,10 @@ def _patch_moe_layer_expert_check() -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
-        from megatron_deepepv2.config import get_settings  # noqa: PLC0415
         from megatron_deepepv2.experts import check_experts_take_device_counts  # noqa: PLC0415
+        from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
 
-        if is_deepepv2(self.config) and get_settings().no_host_sync:
+        if is_deepepv2(self.config) and not dispatch_config_for(self.config).host_sync:
             check_experts_take_device_counts(self.experts)
 
     __init__._deepepv2_plugin = True  # type: ignore[attr-defined]
@@ -270,13 +270,13 @@ def _replace_function(module_names: list[str], name: str, make_wrapper: Callable
 
 
 def _wrap_should_free_input(original: Callable) -> Callable:
-    from megatron_deepepv2.config import get_settings  # noqa: PLC0415
     from megatron_deepepv2.backends import ExpertLayout  # noqa: PLC0415
+    from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
 
     def should_free_input(name, is_moe, config, num_local_experts):
         if not is_deepepv2(config):
             return original(name, is_moe, config, num_local_experts)
-        if name == "mlp" and is_moe and get_settings().layout is ExpertLayout.EXPAND:
+        if name == "mlp" and is_moe and dispatch_config_for(config).layout is ExpertLayout.EXPAND:
             # Expand: dispatch_postprocess is an identity (as for hybridep), so the mlp node's input is the
             # experts' GEMM input, saved for backward; only an FP8/FP4 cast copy lets it go.
             return getattr(config, "fp8", None) is not None or getattr(config, "fp4", None) is not None

@@ -33,7 +33,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
 from megatron_deepepv2 import ops
-from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, resolve_backend, uninitialized_memory_fill_off
+from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, uninitialized_memory_fill_off
 from megatron_deepepv2.config import get_settings
 
 logger = logging.getLogger(__name__)
@@ -66,19 +66,60 @@ def permute_pads(config) -> bool:
     )
 
 
-def dispatcher_pads_for_experts(config, layout: Optional[ExpertLayout] = None) -> bool:
+def dispatch_config_for(config) -> ops.DispatchConfig:
+    """The deepepv2 dispatch configuration of a Megatron ``TransformerConfig``: resolved once, then carried.
+
+    Resolved from the process-wide settings and the config (layout, alignment, SMs, host sync, determinism,
+    capacity, backend) on first use and kept on the config object, so every layer built from it and every
+    Megatron patch that asks about it see the same answer, however the settings change later.
+
+    Args:
+        config: Megatron ``TransformerConfig`` of a deepepv2 MoE layer.
+
+    Returns:
+        The configuration.
+
+    Raises:
+        ValueError: If no-host-sync mode is asked for with the compact layout, or the backend cannot run the mode.
+        ImportError: If the configured backend was named explicitly and cannot run.
+    """
+    resolved = getattr(config, "_deepepv2_dispatch_config", None)
+    if resolved is not None:
+        return resolved
+    settings = get_settings()
+    layout = settings.layout
+    if settings.no_host_sync and layout is ExpertLayout.COMPACT:
+        raise ValueError(
+            "MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 needs the expand layout: the compact layout goes through "
+            "Megatron's permute, which sizes its output on the host. Set MEGATRON_DEEPEPV2_LAYOUT=expand."
+        )
+    expand = layout is ExpertLayout.EXPAND
+    resolved = ops.DispatchConfig.resolve(
+        layout=layout,
+        expert_alignment=alignment_for(config) if expand else 1,
+        zero_padding=expand,
+        # One SM count for dispatch and combine, forward and backward (combine and cached dispatch reuse the
+        # count the dispatch recorded in its handle).
+        num_sms=configured_num_sms(config) or settings.num_sms or 0,
+        deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
+        # Megatron's multihot conversion ignores the entries of other ranks' experts.
+        mask_foreign_weights=False,
+    )
+    object.__setattr__(config, "_deepepv2_dispatch_config", resolved)
+    return resolved
+
+
+def dispatcher_pads_for_experts(config) -> bool:
     """Whether the deepepv2 path hands experts already-padded blocks (so experts must not pad again).
 
     Args:
         config: Megatron ``TransformerConfig``.
-        layout: Layout in use (default: the ``layout`` setting).
 
     Returns:
         True for the expand layout (DeepEP's ``expert_alignment``), and for the compact layout when
         Megatron's fused permute pads.
     """
-    layout = get_settings().layout if layout is None else layout
-    return layout is ExpertLayout.EXPAND or permute_pads(config)
+    return dispatch_config_for(config).layout is ExpertLayout.EXPAND or permute_pads(config)
 
 
 @contextlib.contextmanager
@@ -125,7 +166,6 @@ class _DeepepV2Manager(_DeepepManager):
         num_experts: int,
         config,
     ) -> None:
-        settings = get_settings()
         self.group = group
         self.num_local_experts = num_local_experts
         self.config = config
@@ -134,19 +174,7 @@ class _DeepepV2Manager(_DeepepManager):
         self.router_dtype = config.moe_router_dtype
         self.capacity_factor = config.moe_expert_capacity_factor
         self.permute_fusion = config.moe_permute_fusion
-        self.layout = settings.layout
-        self.backend_name = resolve_backend(settings.backend).name  # fails early for an explicit backend
-        self.expert_alignment = alignment_for(config) if self.layout is ExpertLayout.EXPAND else 1
-        # One SM count for dispatch and combine, forward and backward (combine and cached dispatch reuse
-        # the count the dispatch recorded in its handle).
-        self.num_sms = configured_num_sms(config) or settings.num_sms or 0
-        self.host_sync = not settings.no_host_sync
-        self.deterministic = settings.deterministic or bool(getattr(config, "deterministic_mode", False))
-        if not self.host_sync and self.layout is ExpertLayout.COMPACT:
-            raise ValueError(
-                "MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 needs the expand layout: the compact layout goes through "
-                "Megatron's permute, which sizes its output on the host. Set MEGATRON_DEEPEPV2_LAYOUT=expand."
-            )
+        self.dispatch_config = dispatch_config_for(config)  # fails early for an explicit backend
 
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
@@ -183,15 +211,9 @@ class _DeepepV2Manager(_DeepepManager):
             self.token_probs,
             self.num_experts,
             group=self.group,
-            layout=self.layout,
-            expert_alignment=self.expert_alignment,
-            zero_padding=self.layout is ExpertLayout.EXPAND,
-            backend=self.backend_name,
-            num_sms=self.num_sms,
+            config=self.dispatch_config,
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
-            host_sync=self.host_sync,
-            deterministic=self.deterministic,
         )
         self.handle = result.handle
         self.dispatched_indices = result.recv_topk_idx
@@ -202,6 +224,21 @@ class _DeepepV2Manager(_DeepepManager):
         else:
             self.tokens_per_expert = result.tokens_per_expert
         return result.recv_x
+
+    @property
+    def layout(self) -> ExpertLayout:
+        """Receive layout of this layer's dispatches."""
+        return self.dispatch_config.layout
+
+    @property
+    def host_sync(self) -> bool:
+        """Whether this layer's dispatches wait on the host for exact sizes."""
+        return self.dispatch_config.host_sync
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether this layer's dispatches are bit-exact run to run."""
+        return self.dispatch_config.deterministic
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
         """Returns ``(rows grouped by local expert, their probs)``.

@@ -18,7 +18,8 @@ each top-k slot's weight gradient from the rank that owns the slot's expert only
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,23 +29,104 @@ from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLa
 from megatron_deepepv2.config import get_settings
 
 
-class DispatchResult(NamedTuple):
+@dataclass(frozen=True)
+class DispatchResult:
     """Output of :func:`dispatch`.
 
     Attributes:
         recv_x: Received rows (an FP8 pair when one was dispatched).
         recv_topk_idx: Compact: ``[N, K]`` local expert ids (-1 = other rank). Expand: None.
-        recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1. Expand: ``[N]``
-            fp32, zero on padding rows. None when no weights were dispatched.
-        tokens_per_expert: ``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device.
+        recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1 (unless the
+            configuration's ``mask_foreign_weights`` is off). Expand: ``[N]`` fp32, zero on padding rows. None
+            when no weights were dispatched.
         handle: Handle for :func:`combine` (``handle.num_valid_rows``: rows holding data, on the device).
     """
 
     recv_x: HiddenStates
     recv_topk_idx: Optional[torch.Tensor]
     recv_topk_weights: Optional[torch.Tensor]
-    tokens_per_expert: torch.Tensor
     handle: DispatchHandle
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device.
+
+        With host sync they are derived on first access only (``handle.tokens_per_expert_list`` already has
+        them on the host); without, they were computed by the dispatch.
+        """
+        return self.handle.tokens_per_expert
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """Everything about a dispatch that stays the same from call to call, resolved once.
+
+    A caller that dispatches repeatedly with the same settings (the Megatron manager: one per MoE layer)
+    resolves this once with :meth:`resolve` and passes it to every :func:`dispatch`; the backend choice, the
+    settings and the backend's mode checks are then not redone per call.
+
+    Attributes:
+        backend: Backend class (a registered, usable backend).
+        layout: Receive layout.
+        expert_alignment: Expand layout: each expert block is padded to a multiple of this.
+        zero_padding: Expand layout: padding rows are zero-filled.
+        num_sms: SMs for the communication kernels (0 = backend's choice).
+        host_sync: Whether the dispatch may wait on the host for exact sizes.
+        deterministic: Bit-exact run to run.
+        num_max_tokens_per_rank: Configured token capacity, or None for the largest first batch.
+        validate: Host-side value checks agreed over the group (the ``validate`` setting).
+        mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts. A caller that
+            ignores those entries (Megatron's multihot conversion does) turns it off and saves a pass.
+    """
+
+    backend: type[DispatchBackend]
+    layout: ExpertLayout = ExpertLayout.COMPACT
+    expert_alignment: int = 1
+    zero_padding: bool = False
+    num_sms: int = 0
+    host_sync: bool = True
+    deterministic: bool = False
+    num_max_tokens_per_rank: Optional[int] = None
+    validate: bool = False
+    mask_foreign_weights: bool = True
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        backend: Optional[str] = None,
+        layout: Union[str, ExpertLayout] = ExpertLayout.COMPACT,
+        expert_alignment: int = 1,
+        zero_padding: bool = False,
+        num_max_tokens_per_rank: Optional[int] = None,
+        num_sms: Optional[int] = None,
+        host_sync: Optional[bool] = None,
+        deterministic: Optional[bool] = None,
+        mask_foreign_weights: bool = True,
+    ) -> "DispatchConfig":
+        """Resolves the arguments of :func:`dispatch` (None = the process-wide setting) into a configuration.
+
+        Raises:
+            ValueError: For an unknown backend or layout, or a mode the backend cannot run.
+            ImportError: An explicitly requested backend cannot run here.
+        """
+        settings = get_settings()
+        config = cls(
+            backend=resolve_backend(backend or settings.backend),
+            layout=ExpertLayout.parse(layout),
+            expert_alignment=int(expert_alignment),
+            zero_padding=bool(zero_padding),
+            num_sms=settings.num_sms if num_sms is None else int(num_sms),
+            host_sync=not settings.no_host_sync if host_sync is None else bool(host_sync),
+            deterministic=settings.deterministic if deterministic is None else bool(deterministic),
+            num_max_tokens_per_rank=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
+            validate=settings.validate,
+            mask_foreign_weights=bool(mask_foreign_weights),
+        )
+        problem = config.backend.preflight(host_sync=config.host_sync, deterministic=config.deterministic)
+        if problem is not None:
+            raise problem
+        return config
 
 
 def _previous_event(backend: DispatchBackend, allocate_on_comm_stream: bool) -> Optional[Any]:
@@ -64,53 +146,48 @@ class _DispatchFunction(torch.autograd.Function):
         topk_idx: torch.Tensor,
         backend: DispatchBackend,
         num_experts: int,
-        layout: ExpertLayout,
-        expert_alignment: int,
-        zero_padding: bool,
-        async_finish: bool,
-        allocate_on_comm_stream: bool,
-        host_sync: bool,
+        config: DispatchConfig,
+        streams: tuple[bool, bool],
     ):
+        async_finish, allocate_on_comm_stream = streams
         previous_event = _previous_event(backend, allocate_on_comm_stream)
         out = backend.dispatch(
             x if x_scales is None else (x, x_scales),
             topk_idx,
             topk_weights,
             num_experts=num_experts,
-            layout=layout,
-            expert_alignment=expert_alignment,
-            zero_padding=zero_padding,
+            layout=config.layout,
+            expert_alignment=config.expert_alignment,
+            zero_padding=config.zero_padding,
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
             previous_event=previous_event,
-            host_sync=host_sync,
+            host_sync=config.host_sync,
         )
         out.event.wait()
         recv_x, recv_scales = out.recv_x if x_scales is not None else (out.recv_x, None)
         recv_weights = out.recv_topk_weights
-        if recv_weights is not None and out.recv_topk_idx is not None:
+        if recv_weights is not None and out.recv_topk_idx is not None and config.mask_foreign_weights:
             recv_weights = recv_weights.masked_fill(out.recv_topk_idx < 0, 0.0)
 
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
         ctx.handle = out.handle
-        ctx.async_finish = async_finish
-        ctx.allocate_on_comm_stream = allocate_on_comm_stream
+        ctx.streams = streams
         ctx.has_weights = topk_weights is not None
+        ctx.device = topk_idx.device
         fp8_rows = (recv_x, recv_scales) if x_scales is not None else ()
-        non_differentiable = [
-            t for t in (*fp8_rows, out.recv_topk_idx, out.handle.tokens_per_expert) if t is not None
-        ]
+        non_differentiable = [t for t in (*fp8_rows, out.recv_topk_idx) if t is not None]
         ctx.mark_non_differentiable(*non_differentiable)
-        return recv_x, recv_scales, out.recv_topk_idx, recv_weights, out.handle.tokens_per_expert, out.handle
+        return recv_x, recv_scales, out.recv_topk_idx, recv_weights, out.handle
 
     @staticmethod
-    def backward(ctx: Any, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weights, _grad_counts, _grad_handle):
+    def backward(ctx: Any, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weights, _grad_handle):
         handle: DispatchHandle = ctx.handle
         backend = handle.backend
+        async_finish, allocate_on_comm_stream = ctx.streams
         if grad_recv_x is None:
             grad_recv_x = torch.zeros(
-                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16,
-                device=handle.tokens_per_expert.device,
+                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16, device=ctx.device
             )
         # Materialise every communication input before the event is captured.
         grad_recv_x = grad_recv_x.contiguous()
@@ -121,17 +198,17 @@ class _DispatchFunction(torch.autograd.Function):
                     handle.num_recv_rows, handle.num_topk)
                 grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
             grad_weights = grad_recv_weights.float().contiguous()
-        previous_event = _previous_event(backend, ctx.allocate_on_comm_stream)
+        previous_event = _previous_event(backend, allocate_on_comm_stream)
         out = backend.combine(
             grad_recv_x,
             handle,
             grad_weights,
-            async_finish=ctx.async_finish,
-            allocate_on_comm_stream=ctx.allocate_on_comm_stream,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
             previous_event=previous_event,
         )
         out.event.wait()
-        return out.x, None, out.topk_weights, None, None, None, None, None, None, None, None, None
+        return out.x, None, out.topk_weights, None, None, None, None, None
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -182,6 +259,7 @@ def dispatch(
     allocate_on_comm_stream: bool = False,
     host_sync: Optional[bool] = None,
     deterministic: Optional[bool] = None,
+    config: Optional[DispatchConfig] = None,
 ) -> DispatchResult:
     """Sends tokens to the ranks of their experts (differentiable in ``x`` and ``topk_weights``).
 
@@ -208,6 +286,9 @@ def dispatch(
             and weight 0.
         deterministic: Bit-exact run to run (default: the ``deterministic`` setting); the buffer is rebuilt
             when this changes.
+        config: A configuration from :meth:`DispatchConfig.resolve` to use instead of ``layout`` ...
+            ``deterministic`` (leave those at their defaults): what repeated callers pass, so nothing is
+            resolved per call.
 
     Returns:
         The received rows, routing, tokens per local expert and the handle.
@@ -217,12 +298,18 @@ def dispatch(
             setting on, on every rank of the group).
         ImportError: An explicitly requested backend cannot run here.
     """
-    settings = get_settings()
+    if config is None:
+        config = DispatchConfig.resolve(
+            backend=backend, layout=layout, expert_alignment=expert_alignment, zero_padding=zero_padding,
+            num_max_tokens_per_rank=num_max_tokens_per_rank, num_sms=num_sms, host_sync=host_sync,
+            deterministic=deterministic,
+        )
+    elif (backend, layout, expert_alignment, zero_padding, num_max_tokens_per_rank, num_sms, host_sync,
+          deterministic) != _CONFIG_ARGUMENT_DEFAULTS:
+        raise TypeError("dispatch() takes either config= or the settings it resolves (layout, expert_alignment, "
+                        "zero_padding, backend, num_max_tokens_per_rank, num_sms, host_sync, deterministic), "
+                        "not both.")
     group = group if group is not None else dist.group.WORLD
-    layout = ExpertLayout.parse(layout)
-    host_sync = not settings.no_host_sync if host_sync is None else bool(host_sync)
-    deterministic = settings.deterministic if deterministic is None else bool(deterministic)
-    backend_cls = resolve_backend(backend or settings.backend)
     if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
         topk_weights = topk_weights.float().contiguous()
     if isinstance(x, torch.Tensor):
@@ -233,46 +320,45 @@ def dispatch(
         topk_weights,
         num_experts=num_experts,
         group_size=dist.get_world_size(group),
-        limits=backend_cls.limits,
-        layout=layout,
-        expert_alignment=expert_alignment,
-        zero_padding=zero_padding,
-        num_max_tokens_per_rank=num_max_tokens_per_rank,
-        check_values=settings.validate,
+        limits=config.backend.limits,
+        layout=config.layout,
+        expert_alignment=config.expert_alignment,
+        zero_padding=config.zero_padding,
+        num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+        check_values=config.validate,
     )
-    problem = problem or backend_cls.preflight(host_sync=host_sync, deterministic=deterministic)
     num_tokens = topk_idx.shape[0] if problem is None else 0
-    max_tokens = validation.raise_on_every_rank(problem, group, agree=settings.validate, num_tokens=num_tokens)
+    max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens)
 
     data, scales = x if isinstance(x, tuple) else (x, None)
     buffer = buffers.get_buffer(
-        backend_cls,
+        config.backend,
         group,
         hidden=data.shape[1],
         num_topk=topk_idx.shape[1],
         use_fp8=scales is not None,
         num_tokens=max_tokens,
-        configured_capacity=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
-        deterministic=deterministic,
-        num_sms=settings.num_sms if num_sms is None else num_sms,
+        configured_capacity=config.num_max_tokens_per_rank,
+        deterministic=config.deterministic,
+        num_sms=config.num_sms,
     )
-    recv_x, recv_scales, recv_idx, recv_weights, tokens_per_expert, handle = _DispatchFunction.apply(
+    recv_x, recv_scales, recv_idx, recv_weights, handle = _DispatchFunction.apply(
         data,
         scales,
         topk_weights,
         topk_idx.contiguous(),
         buffer,
         num_experts,
-        layout,
-        expert_alignment,
-        zero_padding,
-        async_finish,
-        allocate_on_comm_stream,
-        host_sync,
+        config,
+        (async_finish, allocate_on_comm_stream),
     )
     if scales is not None:
         recv_x = (recv_x, recv_scales)
-    return DispatchResult(recv_x, recv_idx, recv_weights, tokens_per_expert, handle)
+    return DispatchResult(recv_x, recv_idx, recv_weights, handle)
+
+
+#: dispatch()'s defaults of the arguments a DispatchConfig replaces.
+_CONFIG_ARGUMENT_DEFAULTS = (None, ExpertLayout.COMPACT, 1, False, None, None, None, None)
 
 
 def combine(
@@ -299,8 +385,7 @@ def combine(
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
-    problem = validation.check_combine_inputs(x, handle, None) or handle.backend.preflight(
-        host_sync=handle.host_sync, deterministic=handle.backend.spec.deterministic
-    )
+    # The backend's mode checks ran when the dispatch's configuration was resolved.
+    problem = validation.check_combine_inputs(x, handle, None)
     validation.raise_on_every_rank(problem, handle.backend.group, agree=get_settings().validate)
     return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)

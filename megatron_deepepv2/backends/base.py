@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, NamedTuple, Optional, Protocol, Union
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -181,12 +182,12 @@ class DispatchHandle:
         num_tokens: Rows of the dispatch input on this rank (``T``); combine returns this many rows.
         num_topk: Top-k of the routing (``K``).
         num_recv_rows: Rows of the received tensor (the worst case without host sync).
-        tokens_per_expert: Alignment-padded row count of each local expert, int64 on the input's device.
-        tokens_per_expert_list: The same counts on the host; None when the dispatch did not sync the host.
-        num_valid_rows: 0-dim int64 on the input's device: rows holding data (compact: received rows;
-            expand: the sum of ``tokens_per_expert``). Equals ``num_recv_rows`` with host sync.
+        tokens_per_expert_list: Alignment-padded row count of each local expert on the host; None when the
+            dispatch did not sync the host.
         host_sync: Whether the dispatch synchronised the host (exact sizes, host counts).
         native: Backend-private routing state (a DeepEP ``EPHandle``, or the reference backend's plan).
+        device_counts: Returns ``(tokens_per_expert, num_valid_rows)`` (see the properties); called at most
+            once, on first access, so a host-sync caller that uses the host list launches nothing for them.
     """
 
     backend: "DispatchBackend"
@@ -198,11 +199,25 @@ class DispatchHandle:
     num_tokens: int
     num_topk: int
     num_recv_rows: int
-    tokens_per_expert: torch.Tensor
     tokens_per_expert_list: Optional[list[int]]
-    num_valid_rows: torch.Tensor
     host_sync: bool
     native: Any = field(repr=False)
+    device_counts: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @functools.cached_property
+    def _device_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.device_counts()
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """Alignment-padded row count of each local expert, int64 on the input's device."""
+        return self._device_counts[0]
+
+    @property
+    def num_valid_rows(self) -> torch.Tensor:
+        """0-dim int64 on the input's device: rows holding data (compact: received rows; expand: the sum of
+        ``tokens_per_expert``). Equals ``num_recv_rows`` with host sync."""
+        return self._device_counts[1]
 
 
 class DispatchOutput(NamedTuple):

@@ -222,13 +222,19 @@ class DeepEPBackend(DispatchBackend):
               num_experts: int, expert_alignment: int, zero_padding: bool, num_recv_rows: int,
               host_sync: bool) -> DispatchHandle:
         expand = layout is ExpertLayout.EXPAND
-        tokens_per_expert = aligned_counts_from_psum(
-            native_handle.psum_num_recv_tokens_per_expert, expert_alignment, expand
-        )
-        if expand:
-            num_valid_rows = tokens_per_expert.sum()
-        else:
-            num_valid_rows = native_handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+
+        def device_counts() -> tuple[torch.Tensor, torch.Tensor]:
+            tokens_per_expert = aligned_counts_from_psum(
+                native_handle.psum_num_recv_tokens_per_expert, expert_alignment, expand
+            )
+            if expand:
+                return tokens_per_expert, tokens_per_expert.sum()
+            return tokens_per_expert, native_handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+
+        if not host_sync:
+            counts = device_counts()  # launched now, while the dispatch's stream order is the current one
+            device_counts = lambda: counts  # noqa: E731
+
         return DispatchHandle(
             backend=self,
             layout=layout,
@@ -239,11 +245,11 @@ class DeepEPBackend(DispatchBackend):
             num_tokens=num_tokens,
             num_topk=num_topk,
             num_recv_rows=num_recv_rows,
-            tokens_per_expert=tokens_per_expert,
+            # With host sync the host list is what callers use; the device counts follow only on request.
             tokens_per_expert_list=list(native_handle.num_recv_tokens_per_expert_list) if host_sync else None,
-            num_valid_rows=num_valid_rows,
             host_sync=host_sync,
             native=native_handle,
+            device_counts=device_counts,
         )
 
     @staticmethod

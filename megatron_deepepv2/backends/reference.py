@@ -458,11 +458,11 @@ class ReferenceBackend(DispatchBackend):
             num_tokens=num_tokens,
             num_topk=topk_idx.shape[1],
             num_recv_rows=num_recv_rows,
-            tokens_per_expert=tokens_per_expert,
             tokens_per_expert_list=tokens_per_expert_list,
-            num_valid_rows=num_valid_rows,
             host_sync=host_sync,
             native=plan,
+            # Computed anyway: the routing plan and the host list are built from them.
+            device_counts=lambda: (tokens_per_expert, num_valid_rows),
         )
         return DispatchOutput(recv_x, out_idx, recv_weights, handle, CompletedEvent())
 

@@ -138,6 +138,11 @@ def _adapter_worker(rank: int, world: int) -> None:
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
 
+    from megatron_deepepv2.backends import deepep as adapter
+
+    derived = []  # one entry per derivation of device counts from DeepEP's prefix sums
+    count_from_psum = adapter.aligned_counts_from_psum
+    adapter.aligned_counts_from_psum = lambda *a, **k: derived.append(1) or count_from_psum(*a, **k)
     spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=32, num_sms=24)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
     assert backend.buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
@@ -147,10 +152,14 @@ def _adapter_worker(rank: int, world: int) -> None:
     for layout, host_sync in [(layout, sync) for layout in ExpertLayout for sync in (True, False)]:
         kwargs = dict(num_experts=8, layout=layout, expert_alignment=4, zero_padding=layout is ExpertLayout.EXPAND,
                       host_sync=host_sync)
+        derived.clear()
         got, want = backend.dispatch(x, idx, w, **kwargs), reference.dispatch(x, idx, w, **kwargs)
         assert torch.equal(got.recv_x, want.recv_x)
         assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list
+        # With host sync the device counts are derived only when asked for (callers use the host list).
+        assert len(derived) == (0 if host_sync else 1), (host_sync, len(derived))
         assert torch.equal(got.handle.tokens_per_expert, want.handle.tokens_per_expert)
+        assert len(derived) == 1
         assert int(got.handle.num_valid_rows) == int(want.handle.num_valid_rows)
         assert got.handle.num_recv_rows == want.recv_x.shape[0]
         # Rows past the valid extent: expert id -1 and weight 0, whatever DeepEP left there.
@@ -165,9 +174,10 @@ def _adapter_worker(rank: int, world: int) -> None:
         # The autograd op with DeepEP's stream flags: previous event passed, async events waited.
         FakeElasticBuffer.calls.clear()
         xg = x.clone().requires_grad_()
-        out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, layout, 4, layout is ExpertLayout.EXPAND,
-                                          True, True, host_sync)
-        y = ops._CombineFunction.apply(out[0], out[5], True, True)
+        config = ops.DispatchConfig(backend=DeepEPBackend, layout=layout, expert_alignment=4,
+                                    zero_padding=layout is ExpertLayout.EXPAND, host_sync=host_sync)
+        out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, config, (True, True))
+        y = ops._CombineFunction.apply(out[0], out[-1], True, True)
         y.sum().backward()
         for call in FakeElasticBuffer.calls:
             assert call["prev"] == "event-handle" and call["alloc"]
@@ -194,8 +204,10 @@ def _deterministic_algorithms_worker(rank: int, world: int) -> None:
     torch.use_deterministic_algorithms(True)
     try:
         assert torch.utils.deterministic.fill_uninitialized_memory
-        out = ops._DispatchFunction.apply(x, None, w, idx, backend, 4, ExpertLayout.EXPAND, 2, True, True, True, True)
-        y = ops._CombineFunction.apply(out[0] * 2, out[5], True, True)
+        config = ops.DispatchConfig(backend=DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=2,
+                                    zero_padding=True, host_sync=True, deterministic=True)
+        out = ops._DispatchFunction.apply(x, None, w, idx, backend, 4, config, (True, True))
+        y = ops._CombineFunction.apply(out[0] * 2, out[-1], True, True)
         y.sum().backward()
         assert torch.utils.deterministic.fill_uninitialized_memory  # restored after every call
     finally:

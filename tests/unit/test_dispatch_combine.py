@@ -68,3 +68,42 @@ def test_roundtrip_matches_dense_oracle(world: int, layout: str) -> None:
 
 def test_roundtrip_float32_two_ranks() -> None:
     run_distributed(_roundtrip, 2, "expand", [16], torch.float32)
+
+
+def _config_case(rank: int, world: int) -> None:
+    problem = make_problem(5, TOKENS[world], HIDDEN, EXPERTS, TOPK, dtype=torch.float64)
+    rows = problem.rows(rank)
+    x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
+    masked = dv2.dispatch(x, idx, w, EXPERTS)
+    config = dv2.DispatchConfig.resolve(mask_foreign_weights=False)
+    raw = dv2.dispatch(x, idx, w, EXPERTS, config=config)
+    foreign = raw.recv_topk_idx < 0
+    # Same rows; the foreign entries keep the weights as sent (the oracle: the sender's weights of those tokens).
+    assert torch.equal(raw.recv_x, masked.recv_x) and torch.equal(raw.recv_topk_idx, masked.recv_topk_idx)
+    assert torch.equal(masked.recv_topk_weights[foreign], torch.zeros_like(masked.recv_topk_weights[foreign]))
+    assert torch.equal(raw.recv_topk_weights[~foreign], masked.recv_topk_weights[~foreign])
+    if rank == 0 and rows.stop > rows.start:
+        on_rank0 = ((idx >= 0) & (idx // (EXPERTS // world) == 0)).any(dim=1)
+        sent = w[on_rank0]  # rank 0 receives its own tokens first, in order
+        assert torch.equal(raw.recv_topk_weights[: sent.shape[0]], sent)
+    with pytest.raises(TypeError, match="either config= or"):
+        dv2.dispatch(x, idx, w, EXPERTS, config=config, layout="expand")
+
+
+def test_dispatch_config_resolved_once_and_foreign_weight_mask_optional() -> None:
+    run_distributed(_config_case, 2)
+
+
+def test_dispatch_config_runs_the_backend_mode_checks_when_resolved() -> None:
+    from megatron_deepepv2.backends import DeepEPBackend
+
+    # The mode check needs no process group: it fails when the configuration is made, before any dispatch.
+    problem = DeepEPBackend.preflight(host_sync=False, deterministic=True)
+    assert isinstance(problem, ValueError)
+    original = DeepEPBackend.unavailable_reason
+    DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
+    try:
+        with pytest.raises(ValueError, match="without host sync cannot be combined with deterministic"):
+            dv2.DispatchConfig.resolve(backend="deepep", host_sync=False, deterministic=True)
+    finally:
+        DeepEPBackend.unavailable_reason = original

@@ -244,19 +244,24 @@ def _backend_string_checks(rank: int, world: int) -> None:
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
 
     init_expert_parallel()
-    v2 = transformer_config(TinyMoEConfig(), "deepepv2")
     v1 = transformer_config(TinyMoEConfig(), "deepep")
     import megatron_deepepv2 as dv2
 
     with dv2.settings_override(layout="compact"):  # Megatron's permute copies, exactly as with deepep
+        compact = transformer_config(TinyMoEConfig(), "deepepv2")
         for node in ("moe_dispatch", "moe_combine", "mlp"):
-            assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
+            assert should_free_input(node, True, compact, 4) == should_free_input(node, True, v1, 4), node
     with dv2.settings_override(layout="expand"):
+        v2 = transformer_config(TinyMoEConfig(), "deepepv2")
         for node in ("moe_dispatch", "moe_combine"):
             assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
         # The expand rows go straight into the expert GEMMs, which save them for backward (like hybridep).
         assert should_free_input("mlp", True, v2, 4) is False and should_free_input("mlp", True, v1, 4) is True
     assert should_free_input("moe_dispatch", True, v2, 4) is False  # dispatch input kept for backward
+    # A config's dispatch configuration is resolved once: a later settings change does not reach its layers.
+    with dv2.settings_override(layout="compact"):
+        assert should_free_input("mlp", True, v2, 4) is False
+        assert should_free_input("mlp", True, compact, 4) is True
     if _has_skip_padding_hook():
         assert moe_utils.skip_routed_expert_padding(v2) is True  # expand layout pads already
         alltoall = transformer_config(TinyMoEConfig(), "alltoall")
