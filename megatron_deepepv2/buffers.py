@@ -6,8 +6,9 @@ SM count) or when a batch needs more token capacity; a rebuild is collective on 
 exactly like the first build, and never happens inside CUDA-graph capture.
 
 Token capacity (``num_max_tokens_per_rank``) is the same on every rank, as DeepEP requires (it is a JIT
-constant and a layout parameter). It comes from configuration rounded up to a power of two, or, when not
-configured, from the largest first batch over the ranks (agreed by the collective build). In steady state
+constant and a layout parameter). It comes from configuration, exactly as configured (it sizes the worst-case
+buffers of the no-host-sync mode), or, when not configured, from the largest first batch over the ranks (agreed
+by the collective build) rounded up to a power of two. In steady state
 no collective runs: a dispatch only compares its token count with the capacity. When a batch exceeds it,
 capacity grows collectively to the maximum over the ranks. That growth assumes the ranks exceed together,
 as Megatron's equal per-rank token counts do; for workloads where one rank alone can exceed, configure
@@ -105,7 +106,10 @@ def get_buffer(
             "capture. Run one eager step with the same shapes before capturing."
         )
 
-    capacity = next_power_of_two(configured_capacity) if configured_capacity else 0
+    # A configured capacity is taken as it is: without host sync it sizes every worst-case receive buffer, so
+    # rounding it up would inflate them. Only the learnt capacity (largest batch) is rounded to a power of two,
+    # so that batches of varying size rebuild (and recompile DeepEP's kernels) rarely.
+    capacity = int(configured_capacity) if configured_capacity else 0
     if current is not None:
         capacity = max(capacity, current.spec.num_max_tokens_per_rank)
     # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the

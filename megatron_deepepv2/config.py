@@ -45,8 +45,9 @@ class DeepepV2Settings:
         backend: ``"auto"``, ``"deepep"`` or ``"reference"``. An explicit choice never falls back.
         layout: Receive layout used by the Megatron manager: ``expand`` (per-expert rows, aligned, no
             permute) or ``compact`` (one row per token and rank, then Megatron's permute).
-        num_max_tokens_per_rank: Token capacity of the buffer, the same on every rank; rounded up to a
-            power of two. None: the maximum over ranks of the first batch.
+        num_max_tokens_per_rank: Token capacity of the buffer, the same on every rank, used as given (it sizes
+            the worst-case buffers without host sync). None: the maximum over ranks of the first batch, rounded
+            up to a power of two.
         validate: Run the checks that need data on the host (expert ids in range, no duplicate expert
             in a row) and agree on errors across ranks, so bad input raises on every rank. Costs a
             device-to-host sync and a small all-reduce per call: meant for tests and debugging.

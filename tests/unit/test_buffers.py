@@ -53,7 +53,7 @@ def _uneven_growth_worker(rank: int, world: int) -> None:
 def _configured_capacity_worker(rank: int, world: int) -> None:
     with dv2.settings_override(num_max_tokens_per_rank=100):
         backend = _dispatch(3, hidden=8).handle.backend
-        assert backend.spec.num_max_tokens_per_rank == 128
+        assert backend.spec.num_max_tokens_per_rank == 100  # as configured: no power-of-two inflation
     # An explicit per-call capacity smaller than the batch is an input error on every rank.
     try:
         _dispatch(10, hidden=8, num_max_tokens_per_rank=8)
@@ -72,5 +72,5 @@ def test_growth_with_one_rank_exceeding_under_validation() -> None:
     run_distributed(_uneven_growth_worker, 2)
 
 
-def test_configured_capacity_rounds_up_to_power_of_two() -> None:
+def test_configured_capacity_is_used_exactly() -> None:
     run_distributed(_configured_capacity_worker, 2)
