@@ -146,6 +146,12 @@ def validate_config(config: Any) -> None:
             "moe_enable_deepep=True selects the DeepEP v1 backend but moe_flex_dispatcher_backend='deepepv2' "
             "was also given. Drop --moe-enable-deepep (deprecated) and keep --moe-flex-dispatcher-backend deepepv2."
         )
+    rank_capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if rank_capacity_factor is not None and not rank_capacity_factor > 0:
+        raise ValueError(
+            f"moe_expert_rank_capacity_factor={rank_capacity_factor} must be a positive factor of the "
+            "per-rank receive (tokens per rank x top-k), or unset for a dropless receive."
+        )
     if config.num_moe_experts is None:
         return
     if config.moe_token_dispatcher_type != "flex":
@@ -175,9 +181,19 @@ def _patch_config_validation() -> None:
 
     @functools.wraps(original)
     def __post_init__(self) -> None:
-        if getattr(self, "moe_flex_dispatcher_backend", None) == BACKEND_NAME and getattr(self, "moe_enable_deepep", False):
+        deepepv2 = getattr(self, "moe_flex_dispatcher_backend", None) == BACKEND_NAME
+        if deepepv2 and getattr(self, "moe_enable_deepep", False):
             validate_config(self)  # before Megatron rewrites the backend to "deepep"
-        original(self)
+        # Megatron accepts moe_expert_rank_capacity_factor only for hybridep / ncclep; deepepv2 takes it too (a
+        # static receive bound, see the manager), so Megatron's checks run without it and ours check it.
+        rank_capacity_factor = getattr(self, "moe_expert_rank_capacity_factor", None) if deepepv2 else None
+        if rank_capacity_factor is not None:
+            self.moe_expert_rank_capacity_factor = None
+        try:
+            original(self)
+        finally:
+            if rank_capacity_factor is not None:
+                self.moe_expert_rank_capacity_factor = rank_capacity_factor
         validate_config(self)
 
     __post_init__._deepepv2_plugin = True  # type: ignore[attr-defined]

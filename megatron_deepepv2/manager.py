@@ -19,12 +19,18 @@ device value on the host, so the layer can be captured in a CUDA graph. The expe
 counts (:mod:`megatron_deepepv2.experts`).
 
 Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and are not sent.
+
+Receive bound (``--moe-expert-rank-capacity-factor``, expand layout): the experts get at most
+:meth:`_DeepepV2Manager.receive_bound` rows, a static size (what a CUDA graph of the no-host-sync mode wants)
+instead of the dispatch's worst case; rows past it are dropped, counted on the device (``dropped_rows``) and
+flagged in ``over_budget`` (Megatron's ``check_over_budget`` / ``reset_over_budget``), as HybridEP's budget does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -175,6 +181,16 @@ class _DeepepV2Manager(_DeepepManager):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.permute_fusion = config.moe_permute_fusion
         self.dispatch_config = dispatch_config_for(config)  # fails early for an explicit backend
+        self.rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
+        if self.rank_capacity_factor is not None and self.layout is not ExpertLayout.EXPAND:
+            raise ValueError(
+                "moe_expert_rank_capacity_factor bounds the expand receive of deepepv2; with the compact layout "
+                "Megatron's permute sizes the expert input itself. Set MEGATRON_DEEPEPV2_LAYOUT=expand or unset "
+                "--moe-expert-rank-capacity-factor."
+            )
+        # Megatron's budget hooks (check_over_budget / reset_over_budget) look for `over_budget` with hasattr: it
+        # and `dropped_rows` exist only with a bound, from its first dispatch on (on that dispatch's device).
+        self._bounded_rows: Optional[tuple[int, int]] = None
 
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
@@ -223,7 +239,48 @@ class _DeepepV2Manager(_DeepepManager):
             self.tokens_per_expert = torch.tensor(result.handle.tokens_per_expert_list, dtype=torch.int64)
         else:
             self.tokens_per_expert = result.tokens_per_expert
+        self._bounded_rows = None
+        if self.rank_capacity_factor is not None:
+            return self._apply_receive_bound(result.recv_x, result.handle)
         return result.recv_x
+
+    def receive_bound(self, handle: DispatchHandle) -> int:
+        """Rows the experts receive at most under ``moe_expert_rank_capacity_factor``.
+
+        ``align(ceil(T_max * K * factor) + E_local * (alignment - 1), alignment)``: the factor times the receive of
+        a balanced router (every rank gets ``T_max * K`` selections), plus the worst-case block padding; never more
+        than the dispatch's rows. Static for a given buffer, so a CUDA graph sees fixed shapes.
+        """
+        alignment = self.dispatch_config.expert_alignment
+        selections = math.ceil(handle.backend.spec.num_max_tokens_per_rank * self.router_topk * self.rank_capacity_factor)
+        rows = selections + self.num_local_experts * (alignment - 1)
+        return min(-(-rows // alignment) * alignment, handle.num_recv_rows)
+
+    def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Hands the experts the first :meth:`receive_bound` rows; rows past it are dropped and counted.
+
+        A dropped row's expert output is zero (it contributes nothing to its token, as a capacity drop) and its
+        probability gets no gradient. ``dropped_rows`` accumulates the dropped rows (selections and their block
+        padding) and ``over_budget`` turns True, both on the device, until ``reset_over_budget``; without host
+        sync nothing here reads the device.
+        """
+        bound = self.receive_bound(handle)
+        device = recv_x.device
+        if not hasattr(self, "over_budget"):
+            self.over_budget = torch.zeros(1, dtype=torch.bool, device=device)
+            self.dropped_rows = torch.zeros(1, dtype=torch.int64, device=device)
+        if bound >= handle.num_recv_rows:
+            return recv_x  # the dispatch's rows fit: nothing to bound
+        counts = self.tokens_per_expert
+        ends = torch.cumsum(counts, 0)
+        kept = (ends.clamp(max=bound) - (ends - counts)).clamp(min=0)  # each expert block cut at the bound
+        dropped = (counts.sum() - kept.sum()).to(device=device).reshape(1)
+        self.dropped_rows += dropped
+        self.over_budget |= dropped > 0
+        self.tokens_per_expert = kept
+        self.dispatched_probs = self.dispatched_probs[:bound]
+        self._bounded_rows = (bound, handle.num_recv_rows)
+        return recv_x[:bound]
 
     @property
     def layout(self) -> ExpertLayout:
@@ -260,6 +317,10 @@ class _DeepepV2Manager(_DeepepManager):
         Megatron's unfused unpermute reduces with ``index_add_`` rather than ``scatter_add_``.
         """
         if self.layout is ExpertLayout.EXPAND:
+            if self._bounded_rows is not None:
+                # Back to the dispatch's row count for combine; the rows past the bound (dropped) are zero.
+                bound, num_rows = self._bounded_rows
+                hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, num_rows - bound))
             return hidden_states
         if not self.deterministic:
             return super().get_restored_hidden_states_by_experts(hidden_states)
@@ -292,4 +353,5 @@ class _DeepepV2Manager(_DeepepManager):
         self.handle = None
         self.dispatched_indices = None
         self.dispatched_probs = None
+        self._bounded_rows = None
         return combined

@@ -285,3 +285,123 @@ def test_dispatcher_keeps_no_autograd_graph_after_a_step(no_host_sync: bool) -> 
     stream"). The router's probs were such a tensor."""
     for rank_holders in run_distributed(_graphs_left_after_a_step, 2, no_host_sync):
         assert rank_holders == [], f"autograd graph kept after the step by {rank_holders}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Static receive bound (--moe-expert-rank-capacity-factor)
+# ----------------------------------------------------------------------------------------------
+BOUND_SHAPE = dict(hidden=32, ffn=48, num_experts=8, topk=3)
+BOUND_CAPACITY = 16  # num_max_tokens_per_rank; worst case 2 ranks x 16 x min(3, 4) = 96 rows
+
+
+def _bounded_step(layer, x: torch.Tensor, grad: torch.Tensor, staged: bool):
+    xin = x.clone().requires_grad_()
+    layer.zero_grad()
+    y = _forward_deepepv2_without_host_reads(layer, xin) if staged else layer(xin)[0]
+    (y * grad).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), xin.grad, grads
+
+
+def _bounded_layer(rank: int, world: int, factor: float) -> dict:
+    _setup()
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=BOUND_CAPACITY, layout="expand", validate=False)
+    plain = build_moe_layer(TinyMoEConfig(**BOUND_SHAPE), "deepepv2", sync_free_experts=True)
+    bounded = build_moe_layer(TinyMoEConfig(**BOUND_SHAPE, extra={"moe_expert_rank_capacity_factor": factor}),
+                              "deepepv2", sync_free_experts=True)
+    bounded.load_state_dict(plain.state_dict())
+    expected_bound = -(-BOUND_CAPACITY * BOUND_SHAPE["topk"] * factor // 1)  # alignment 1: ceil(T_max * K * f)
+    x = torch.randn([12, 5][rank], 1, 32, generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(50 + rank))
+    for layer in (plain, bounded):
+        layer(x)[0].sum().backward()  # builds the buffer outside the checked region
+
+    rows_seen, valid_rows = [], []
+
+    def note_rows(module, inputs, output):
+        rows_seen.append(inputs[0].shape[0])
+        valid_rows.append(int(inputs[1].sum()))
+
+    def drop_past_bound(module, inputs, output):
+        out, bias = output  # the oracle of a drop: the expert output of rows past the bound is zero
+        keep = (torch.arange(out.shape[0]) < expected_bound).unsqueeze(1)
+        return torch.where(keep, out, 0), bias
+
+    hook = plain.experts.register_forward_hook(note_rows)
+    _bounded_step(plain, x, grad, staged=False)
+    hook.remove()
+    hook = plain.experts.register_forward_hook(drop_past_bound)
+    expected = _bounded_step(plain, x, grad, staged=False)
+    hook.remove()
+
+    manager = bounded.token_dispatcher._comm_manager
+    bounded.token_dispatcher.reset_over_budget()
+    dropped_before = int(manager.dropped_rows)  # the counter runs from the layer's first dispatch on
+    seen = []
+    hook = bounded.experts.register_forward_hook(lambda m, inputs, out: seen.append((inputs[0].shape[0], inputs[1])))
+    actual = _bounded_step(bounded, x, grad, staged=True)  # no host read on the bounded path either
+    hook.remove()
+    expert_rows, counts = seen[0]  # what the experts were given and told: blocks cut at the bound, summing to the rows kept
+    assert int(counts.sum()) == min(valid_rows[0], int(expected_bound)), (counts, valid_rows[0])
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual[1], expected[1], rtol=1e-5, atol=1e-6)
+    for name in expected[2]:
+        torch.testing.assert_close(actual[2][name], expected[2][name], rtol=1e-5, atol=1e-6, msg=name)
+    return {
+        "worst_rows": rows_seen[0],
+        "valid_rows": valid_rows[0],
+        "expert_rows": expert_rows,
+        "bound": manager.receive_bound(manager_handle_stub(manager, rows_seen[0])),
+        "expected_bound": int(expected_bound),
+        "dropped": int(manager.dropped_rows) - dropped_before,
+        "over_budget": bool(bounded.token_dispatcher.check_over_budget()),
+    }
+
+
+def manager_handle_stub(manager, num_recv_rows: int):
+    """What receive_bound reads of a handle: the buffer's capacity and the dispatch's rows."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(num_max_tokens_per_rank=BOUND_CAPACITY)
+    return SimpleNamespace(backend=SimpleNamespace(spec=spec), num_recv_rows=num_recv_rows)
+
+
+def test_receive_bound_hands_experts_fewer_rows_and_drops_nothing_that_fits() -> None:
+    for report in run_distributed(_bounded_layer, 2, 1.0, timeout=180):
+        assert report["worst_rows"] == 96 and report["expert_rows"] == report["expected_bound"] == 48, report
+        assert report["valid_rows"] <= 48 and report["dropped"] == 0 and not report["over_budget"], report
+
+
+def test_receive_bound_drops_rows_past_it_counts_them_and_flags_over_budget() -> None:
+    reports = run_distributed(_bounded_layer, 2, 0.25, timeout=180)
+    assert any(r["valid_rows"] > 12 for r in reports)  # the case exercises a drop
+    for report in reports:
+        assert report["expert_rows"] == report["bound"] == 12, report
+        assert report["dropped"] == max(report["valid_rows"] - 12, 0), report
+        assert report["over_budget"] is (report["dropped"] > 0), report
+
+
+def _bound_config_errors(rank: int, world: int) -> list[str]:
+    _setup()
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, transformer_config
+
+    errors = []
+    with pytest.raises(ValueError) as excinfo:
+        transformer_config(TinyMoEConfig(extra={"moe_expert_rank_capacity_factor": 0.0}), "deepepv2")
+    errors.append(str(excinfo.value))
+    with dv2.settings_override(layout="compact"), pytest.raises(ValueError) as excinfo:
+        build_moe_layer(TinyMoEConfig(extra={"moe_expert_rank_capacity_factor": 1.5}), "deepepv2")
+    errors.append(str(excinfo.value))
+    # Megatron alone would refuse the factor for any flex backend but hybridep / ncclep; deepepv2 accepts it.
+    config = transformer_config(TinyMoEConfig(extra={"moe_expert_rank_capacity_factor": 1.5}), "deepepv2")
+    errors.append(str(config.moe_expert_rank_capacity_factor))
+    return errors
+
+
+def test_receive_bound_configuration_errors() -> None:
+    errors = run_distributed(_bound_config_errors, 2)[0]
+    assert "must be a positive factor" in errors[0]
+    assert "MEGATRON_DEEPEPV2_LAYOUT=expand" in errors[1]
+    assert errors[2] == "1.5"
