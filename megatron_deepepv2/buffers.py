@@ -1,24 +1,35 @@
 """Buffer lifecycle: the single source of truth for the communication buffers of this process.
 
-One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend` instance) lives per
-(backend, process group). It is rebuilt when the shape key changes (hidden size, top-k, FP8, determinism,
-SM count) or when a batch needs more token capacity; a rebuild is collective on every rank of the group,
-exactly like the first build, and never happens inside CUDA-graph capture.
+One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend` instance) lives per (backend, process
+group, shape key): hidden size, top-k, FP8, determinism and SM count. Layers whose keys differ (a model with MoE
+layers of two hidden sizes, FP8 and BF16 layers) each keep their own buffer instead of rebuilding each other's on
+every call; the memory cost is one buffer per distinct key (one for a model whose MoE layers are alike). A buffer is
+rebuilt only when a batch needs more token capacity than it has; a build is collective on every rank of the group,
+and never happens inside CUDA-graph capture.
+
+**Lifetime.** Every dispatch handle refers to the buffer that made it, and the autograd graph of a micro-batch keeps
+its handle until its backward has run. Several micro-batches are in flight under pipeline schedules, EP all-to-all
+overlap and variable-length batches, so a rebuild must not destroy the superseded buffer: it is *retired*, still
+usable by the handles that refer to it, and destroyed once none does. Destroying is collective (DeepEP barriers),
+so it happens at a point every rank reaches in the same order -- the start of a later dispatch on the same group --
+and only when every rank agrees, through one small all-reduce, that no handle uses the buffer any more. That
+all-reduce runs only while a retired buffer waits (a few calls after a rebuild), never in steady state and never
+during CUDA-graph capture; :func:`destroy_buffers` releases everything at shutdown.
 
 Token capacity (``num_max_tokens_per_rank``) is the same on every rank, as DeepEP requires (it is a JIT
 constant and a layout parameter). It comes from configuration, exactly as configured (it sizes the worst-case
 buffers of the no-host-sync mode), or, when not configured, from the largest first batch over the ranks (agreed
-by the collective build) rounded up to a power of two. In steady state
-no collective runs: a dispatch only compares its token count with the capacity. When a batch exceeds it,
-capacity grows collectively to the maximum over the ranks. That growth assumes the ranks exceed together,
-as Megatron's equal per-rank token counts do; for workloads where one rank alone can exceed, configure
-the true maximum, or turn on ``validate`` (then the per-call validation all-reduce shares every rank's
-count and ranks grow in lock-step).
+by the collective build) rounded up to a power of two. In steady state no collective runs: a dispatch only
+compares its token count with the capacity. When a batch exceeds it, capacity grows collectively to the maximum
+over the ranks. That growth assumes the ranks exceed together, as Megatron's equal per-rank token counts do; for
+workloads where one rank alone can exceed, configure the true maximum, or turn on ``validate`` (then the per-call
+validation all-reduce shares every rank's count and ranks grow in lock-step).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,16 +48,23 @@ class BufferStats:
 
     Attributes:
         builds: Buffers built since the process started (first builds and rebuilds).
-        rebuilds_for_key: Rebuilds caused by a shape-key change.
         rebuilds_for_capacity: Rebuilds caused by a batch larger than the capacity.
+        released: Retired buffers destroyed once no handle used them.
     """
 
     builds: int = 0
-    rebuilds_for_key: int = 0
     rebuilds_for_capacity: int = 0
+    released: int = 0
 
 
-_buffers: dict[tuple[str, dist.ProcessGroup], DispatchBackend] = {}
+_Key = tuple[str, dist.ProcessGroup, BufferSpec]
+
+#: Buffer in use per (backend name, group, shape key with capacity 0).
+_buffers: dict[_Key, DispatchBackend] = {}
+#: Superseded buffers per group, in retirement order, until no handle uses them.
+_retired: dict[dist.ProcessGroup, list[DispatchBackend]] = {}
+#: Live dispatch handles of each buffer (weak: a handle dropped by its last user leaves by itself).
+_handles: "weakref.WeakKeyDictionary[DispatchBackend, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 _stats = BufferStats()
 
 
@@ -85,8 +103,6 @@ def get_buffer(
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
     """
-    key = (backend_cls.name, group)
-    current = _buffers.get(key)
     wanted = BufferSpec(
         hidden=hidden,
         num_topk=num_topk,
@@ -95,38 +111,39 @@ def get_buffer(
         deterministic=deterministic,
         num_sms=num_sms,
     )
-    if current is not None:
-        same_shape = current.spec.with_capacity(0) == wanted
-        if same_shape and num_tokens <= current.spec.num_max_tokens_per_rank:
-            return current  # steady state: no collective
+    key = (backend_cls.name, group, wanted)
+    capturing = _is_capturing()
+    if _retired.get(group) and not capturing:
+        _release_unused(group)  # collective: every rank reaches this dispatch in the same order
+    current = _buffers.get(key)
+    if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
+        return current  # steady state: no collective
 
-    if _is_capturing():
+    if capturing:
         raise RuntimeError(
             "The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
             "capture. Run one eager step with the same shapes before capturing."
         )
 
+    capacity = int(configured_capacity) if configured_capacity else 0
     # A configured capacity is taken as it is: without host sync it sizes every worst-case receive buffer, so
     # rounding it up would inflate them. Only the learnt capacity (largest batch) is rounded to a power of two,
     # so that batches of varying size rebuild (and recompile DeepEP's kernels) rarely.
-    capacity = int(configured_capacity) if configured_capacity else 0
-    if current is not None:
-        capacity = max(capacity, current.spec.num_max_tokens_per_rank)
+    # Start from the largest capacity this group already has (another layer's buffer has seen the same batches),
+    # so that a second key does not grow through the sizes the first one grew through.
+    known = [b.spec.num_max_tokens_per_rank for (name, g, _), b in _buffers.items() if name == backend_cls.name
+             and g is group]
+    capacity = max([capacity, *known])
     # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the
     # largest batch before building.
     (largest,) = all_reduce_max([num_tokens], group)
-    capacity = max(capacity, next_power_of_two(largest))
+    capacity = max(capacity, next_power_of_two(largest) if not configured_capacity else largest)
 
     if current is not None:
-        if current.spec.with_capacity(0) != wanted:
-            _stats.rebuilds_for_key += 1
-            reason = f"shape key changed from {current.spec} to {wanted.with_capacity(capacity)}"
-        else:
-            _stats.rebuilds_for_capacity += 1
-            reason = f"{num_tokens} tokens exceed capacity {current.spec.num_max_tokens_per_rank}"
-        logger.info("Rebuilding the %s buffer: %s", backend_cls.name, reason)
-        current.destroy()
-        del _buffers[key]
+        _stats.rebuilds_for_capacity += 1
+        logger.info("Rebuilding the %s buffer: %d tokens exceed capacity %d (the old buffer is kept until no "
+                    "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
+        _retired.setdefault(group, []).append(_buffers.pop(key))
 
     buffer = backend_cls(group, wanted.with_capacity(capacity))
     _buffers[key] = buffer
@@ -134,10 +151,46 @@ def get_buffer(
     return buffer
 
 
+def track_handle(handle) -> None:
+    """Records a dispatch handle as a user of its buffer (until the handle is garbage).
+
+    Args:
+        handle: A :class:`~megatron_deepepv2.backends.base.DispatchHandle` just returned by a dispatch.
+    """
+    _handles.setdefault(handle.backend, weakref.WeakSet()).add(handle)
+
+
+def _in_use(buffer: DispatchBackend) -> bool:
+    handles = _handles.get(buffer)
+    return handles is not None and len(handles) > 0
+
+
+def _release_unused(group: dist.ProcessGroup) -> None:
+    """Destroys the retired buffers of ``group`` that no rank's handles use any more (collective)."""
+    retired = _retired[group]
+    # One flag per retired buffer, the same list on every rank (rebuilds are collective): 1 = still in use here.
+    in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], group)
+    keep = []
+    for buffer, used in zip(retired, in_use):
+        if used:
+            keep.append(buffer)
+            continue
+        buffer.destroy()
+        _stats.released += 1
+    if keep:
+        _retired[group] = keep
+    else:
+        del _retired[group]
+
+
 def destroy_buffers() -> None:
-    """Destroys every buffer of this process (collective: call it on every rank, e.g. before shutdown)."""
+    """Destroys every buffer of this process, retired ones included (collective: call it on every rank, e.g.
+    before shutdown, once no backward pass is pending)."""
     for key in list(_buffers):
         _buffers.pop(key).destroy()
+    for group in list(_retired):
+        for buffer in _retired.pop(group):
+            buffer.destroy()
 
 
 def buffer_stats() -> BufferStats:
@@ -146,5 +199,10 @@ def buffer_stats() -> BufferStats:
 
 
 def active_buffers() -> list[DispatchBackend]:
-    """Returns the live buffers of this process."""
+    """Returns the buffers in use of this process (one per backend, group and shape key)."""
     return list(_buffers.values())
+
+
+def retired_buffers() -> list[DispatchBackend]:
+    """Returns the superseded buffers still kept for the dispatch handles that use them."""
+    return [buffer for group in _retired.values() for buffer in group]

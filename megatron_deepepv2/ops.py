@@ -208,6 +208,7 @@ class _DispatchFunction(torch.autograd.Function):
             previous_event=previous_event,
         )
         out.event.wait()
+        ctx.handle = None  # the last use of the handle: its buffer can go once the step is done with it
         return out.x, None, out.topk_weights, None, None, None, None, None
 
 
@@ -352,6 +353,7 @@ def dispatch(
         config,
         (async_finish, allocate_on_comm_stream),
     )
+    buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
     if scales is not None:
         recv_x = (recv_x, recv_scales)
     return DispatchResult(recv_x, recv_idx, recv_weights, handle)

@@ -178,18 +178,21 @@ def autograd_ops_match_reference() -> None:
 
 
 @case
-def buffer_rebuilt_when_hidden_changes() -> None:
-    """A hidden-size change rebuilds the ElasticBuffer collectively; results stay right."""
+def buffer_per_hidden_size() -> None:
+    """Two hidden sizes get an ElasticBuffer each (built collectively, then reused); results stay right."""
     from megatron_deepepv2 import buffers
 
     with dv2.settings_override(deterministic=True):
+        builds = buffers.buffer_stats().builds
+        backends = {}
         for hidden in (1024, 2048, 1024):
             x, idx, w = make_routing(128, hidden, 32, 8, seed=31 + RANK)
             got = dv2.dispatch(x, idx, w, 32, backend="deepep", num_max_tokens_per_rank=512)
             want = dv2.dispatch(x, idx, w, 32, backend="reference", num_max_tokens_per_rank=512)
             exact(f"hidden {hidden}", got.recv_x, want.recv_x)
             assert got.handle.backend.spec.hidden == hidden
-        assert buffers.buffer_stats().rebuilds_for_key >= 2
+            assert backends.setdefault(hidden, got.handle.backend) is got.handle.backend
+        assert buffers.buffer_stats().builds - builds == 4  # one per hidden size and backend
     dv2.destroy_buffers()
 
 

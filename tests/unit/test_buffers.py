@@ -25,17 +25,22 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     for tokens in (1, 8, 0):
         assert _dispatch(tokens, hidden=8).handle.backend is first
     assert stats.builds == 1
-    # Hidden size change -> collective rebuild keeping the capacity.
+    # Another hidden size -> a buffer of its own (collective build); the first one stays in use for its layers.
     second = _dispatch(2, hidden=16).handle.backend
     assert second is not first and second.spec.hidden == 16 and second.spec.num_max_tokens_per_rank == 8
-    assert stats.rebuilds_for_key == 1
-    # Top-k change is a key change too.
+    assert _dispatch(2, hidden=8).handle.backend is first and stats.builds == 2
+    # Top-k is part of the key too.
     third = _dispatch(2, hidden=16, topk=3).handle.backend
-    assert third is not second and stats.rebuilds_for_key == 2
-    # A batch above the capacity on every rank grows it to the max over ranks (power of two).
+    assert third is not second and stats.builds == 3
+    # A batch above the capacity on every rank grows that key's buffer to the max over ranks (power of two).
     fourth = _dispatch(9 + rank * 10, hidden=16, topk=3).handle.backend
     assert fourth.spec.num_max_tokens_per_rank == 32 and stats.rebuilds_for_capacity == 1
-    assert buffers.active_buffers() == [fourth]
+    assert buffers.active_buffers() == [first, second, fourth]
+    # The superseded buffer waits for its handles (none here: the dispatch's result is gone), then the next
+    # dispatch on the group releases it on every rank.
+    assert buffers.retired_buffers() == [third]
+    _dispatch(1, hidden=8)
+    assert buffers.retired_buffers() == [] and stats.released == 1
     dv2.destroy_buffers()
     assert buffers.active_buffers() == []
     return {"builds": stats.builds}

@@ -124,6 +124,7 @@ class FakeElasticBuffer:
 
     def destroy(self) -> None:
         self.destroyed = True
+        self.ref = None  # ElasticBuffer.destroy frees the buffer: any later use of it fails
 
 
 def _install_fake() -> None:

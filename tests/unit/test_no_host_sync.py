@@ -291,6 +291,18 @@ def test_dispatcher_keeps_no_autograd_graph_after_a_step(no_host_sync: bool) -> 
 # Static receive bound (--moe-expert-rank-capacity-factor)
 # ----------------------------------------------------------------------------------------------
 BOUND_SHAPE = dict(hidden=32, ffn=48, num_experts=8, topk=3)
+
+
+def _megatron_has_rank_capacity_factor() -> bool:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "moe_expert_rank_capacity_factor" in TransformerConfig.__dataclass_fields__
+
+
+needs_rank_capacity_factor = pytest.mark.skipif(
+    not _megatron_has_rank_capacity_factor(),
+    reason="this megatron-core has no moe_expert_rank_capacity_factor (added in 0.19)",
+)
 BOUND_CAPACITY = 16  # num_max_tokens_per_rank; worst case 2 ranks x 16 x min(3, 4) = 96 rows
 
 
@@ -368,12 +380,14 @@ def manager_handle_stub(manager, num_recv_rows: int):
     return SimpleNamespace(backend=SimpleNamespace(spec=spec), num_recv_rows=num_recv_rows)
 
 
+@needs_rank_capacity_factor
 def test_receive_bound_hands_experts_fewer_rows_and_drops_nothing_that_fits() -> None:
     for report in run_distributed(_bounded_layer, 2, 1.0, timeout=180):
         assert report["worst_rows"] == 96 and report["expert_rows"] == report["expected_bound"] == 48, report
         assert report["valid_rows"] <= 48 and report["dropped"] == 0 and not report["over_budget"], report
 
 
+@needs_rank_capacity_factor
 def test_receive_bound_drops_rows_past_it_counts_them_and_flags_over_budget() -> None:
     reports = run_distributed(_bounded_layer, 2, 0.25, timeout=180)
     assert any(r["valid_rows"] > 12 for r in reports)  # the case exercises a drop
@@ -400,6 +414,7 @@ def _bound_config_errors(rank: int, world: int) -> list[str]:
     return errors
 
 
+@needs_rank_capacity_factor
 def test_receive_bound_configuration_errors() -> None:
     errors = run_distributed(_bound_config_errors, 2)[0]
     assert "must be a positive factor" in errors[0]
