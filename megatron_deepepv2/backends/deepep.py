@@ -1,7 +1,7 @@
 """DeepEP v2 adapter: the backend contract over ``deep_ep.ElasticBuffer`` (DeepEP >= 2.1.0).
 
-A thin layer: argument plumbing, the handle translation, and the fixes for DeepEP's known traps
-(``../shared/notes/deepep-v2.md`` in the project history, summarised where each is handled):
+A thin layer: argument plumbing, the handle translation, and the fixes for DeepEP's known traps (each handled
+where noted):
 
 * the group's NCCL communicator is materialised before DeepEP reads it (a lazy one segfaults, DeepEP #726);
 * cached dispatch always passes ``num_sms`` from the handle (``num_sms=0`` raises, DeepEP #685) and

@@ -192,15 +192,8 @@ def _gpu_skip_reason() -> str | None:
 @pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
 def test_elastic_buffer_moe_layer_replays_under_torchrun() -> None:
     """ElasticBuffer MoELayer replays: bit-exact with deterministic mode on; reported (not asserted) with it off."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.gpu_jobs import run_gpu_job, torchrun_command
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, EP_DISABLE_GIN=os.environ.get("EP_DISABLE_GIN", "1"),
-               PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(root / "tests/functional/deepep_cases.py"),
-                           "moe_layer_replays_bit_exact_in_deterministic_mode"],
-                          capture_output=True, text=True, env=env, timeout=580, cwd=root)
+    done = run_gpu_job(torchrun_command("tests/functional/deepep_cases.py",
+                                        "moe_layer_replays_bit_exact_in_deterministic_mode"), timeout=580)
     assert done.returncode == 0 and "PASS moe_layer_replays" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

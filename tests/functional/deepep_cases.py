@@ -230,7 +230,7 @@ def moe_layer_matches_alltoall() -> None:
 
 @case
 def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
-    """Issue-4 GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention; the
+    """GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention; the
     same with Megatron's --deterministic-mode (config.deterministic_mode and torch's deterministic algorithms with
     fill_uninitialized_memory on, which DeepEP asserts against unless the adapter turns it off around its calls)."""
     from tests.determinism.harness import assert_replays_bit_exact, count_differing_replays, moe_layer_replay

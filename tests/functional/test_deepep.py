@@ -1,20 +1,18 @@
 """Multi-GPU functional suite: the DeepEP v2 path against independent paths, and a short training run.
 
 Needs >= 2 CUDA GPUs with DeepEP v2 (``deep_ep.ElasticBuffer``); skipped with the reason otherwise. Each test
-starts its own ``torchrun`` (or the demo's launcher), so it runs from a plain ``pytest`` / ``make test``.
+starts its own ``torchrun`` (or the demo's launcher), one job at a time (:mod:`tests.gpu_jobs`), so it runs from a
+plain ``pytest`` / ``make test`` with ``-n auto``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gpu_jobs import run_gpu_job, torchrun_command
 
 
 def _skip_reason() -> str | None:
@@ -28,19 +26,9 @@ def _skip_reason() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("EP_DISABLE_GIN", "1")  # single node without RDMA; harmless with NVLink only
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 @pytest.mark.timeout(900)
 def test_deepep_cases_under_torchrun() -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               str(ROOT / "tests/functional/deepep_cases.py")]
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=880, cwd=ROOT)
+    done = run_gpu_job(torchrun_command("tests/functional/deepep_cases.py"), timeout=880)
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "FAIL" not in done.stdout
@@ -50,8 +38,8 @@ def test_deepep_cases_under_torchrun() -> None:
 def test_training_loss_matches_alltoall() -> None:
     """50 steps of the demo model with deepepv2 on ElasticBuffer vs alltoall: the loss curves match within 5e-2
     (BF16 activations; the expert GEMMs see rows in a different order, so last bits differ)."""
-    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.demo", "--steps", "50", "--backend", "deepep"],
-                          capture_output=True, text=True, env=_env(), timeout=880, cwd=ROOT)
+    done = run_gpu_job([sys.executable, "-m", "megatron_deepepv2.demo", "--steps", "50", "--backend", "deepep"],
+                       timeout=880)
     output = done.stdout + done.stderr
     print(output[-3000:])
     assert done.returncode == 0 and ": MATCH" in output, output[-4000:]

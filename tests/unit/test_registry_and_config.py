@@ -10,14 +10,23 @@ from megatron_deepepv2.backends.deepep import import_deep_ep
 from megatron_deepepv2.config import DeepepV2Settings
 
 
-def test_auto_resolves_to_reference_without_deepep(caplog: pytest.LogCaptureFixture) -> None:
-    assert DeepEPBackend.unavailable_reason() is not None
-    with caplog.at_level("INFO"):
-        assert resolve_backend("auto") is ReferenceBackend
+def test_auto_resolves_to_deepep_when_usable_else_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = DeepEPBackend if DeepEPBackend.unavailable_reason() is None else ReferenceBackend
+    assert resolve_backend("auto") is expected  # whatever this machine has
+    monkeypatch.setattr(DeepEPBackend, "unavailable_reason", classmethod(lambda cls: "no deep_ep here"))
+    assert resolve_backend("auto") is ReferenceBackend
+    monkeypatch.setattr(DeepEPBackend, "unavailable_reason", classmethod(lambda cls: None))
+    assert resolve_backend("auto") is DeepEPBackend
     assert resolve_backend("reference") is ReferenceBackend
     assert resolve_backend("REFERENCE") is ReferenceBackend
 
 
+_DEEPEP_USABLE = DeepEPBackend.unavailable_reason() is None
+needs_no_deepep = pytest.mark.skipif(_DEEPEP_USABLE, reason="DeepEP is usable here; these check the messages "
+                                     "a machine without it shows")
+
+
+@needs_no_deepep
 def test_explicit_deepep_raises_import_error_with_instructions() -> None:
     with pytest.raises(ImportError) as info:
         resolve_backend("deepep")
@@ -26,6 +35,7 @@ def test_explicit_deepep_raises_import_error_with_instructions() -> None:
     assert "NCCL >= 2.30.4" in message and "MEGATRON_DEEPEPV2_BACKEND=reference" in message
 
 
+@needs_no_deepep
 def test_import_deep_ep_explains_what_is_missing() -> None:
     with pytest.raises(ImportError, match="deep_ep is not importable"):
         import_deep_ep()
