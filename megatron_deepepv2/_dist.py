@@ -16,6 +16,17 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+_group_sizes: dict[dist.ProcessGroup, int] = {}
+
+
+def group_size(group: dist.ProcessGroup) -> int:
+    """``dist.get_world_size(group)``, asked once per group (the call costs tens of microseconds per dispatch)."""
+    size = _group_sizes.get(group)
+    if size is None:
+        size = _group_sizes[group] = dist.get_world_size(group)
+    return size
+
+
 def all_reduce_max(values: Sequence[int], group: dist.ProcessGroup) -> list[int]:
     """Element-wise maximum of integer vectors over ``group`` (one small all-reduce, a host sync).
 

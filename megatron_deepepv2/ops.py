@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2 import buffers, validation
+from megatron_deepepv2._dist import group_size
 from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLayout, HiddenStates, resolve_backend
 from megatron_deepepv2.config import get_settings
 
@@ -320,7 +321,7 @@ def dispatch(
         topk_idx,
         topk_weights,
         num_experts=num_experts,
-        group_size=dist.get_world_size(group),
+        group_size=group_size(group),
         limits=config.backend.limits,
         layout=config.layout,
         expert_alignment=config.expert_alignment,
