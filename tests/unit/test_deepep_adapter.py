@@ -87,7 +87,8 @@ class FakeElasticBuffer:
         assert not rest, rest
         self._check_common(previous_event, allocate_on_comm_stream,
                            dict(op="dispatch", cached=handle is not None, num_sms=num_sms, do_expand=do_expand,
-                                zero=do_zero_padding, prev=previous_event, alloc=allocate_on_comm_stream))
+                                zero=do_zero_padding, prev=previous_event, alloc=allocate_on_comm_stream,
+                                async_=async_with_compute_stream))
         assert not do_zero_padding or do_expand, "do_zero_padding needs do_expand"
         log: list = []
         if handle is not None:
@@ -118,7 +119,8 @@ class FakeElasticBuffer:
                 allocate_on_comm_stream=False, **rest):
         assert not rest, rest
         self._check_common(previous_event, allocate_on_comm_stream,
-                           dict(op="combine", num_sms=num_sms, prev=previous_event, alloc=allocate_on_comm_stream))
+                           dict(op="combine", num_sms=num_sms, prev=previous_event, alloc=allocate_on_comm_stream,
+                                async_=async_with_compute_stream))
         out = self.ref.combine(x, handle.inner, topk_weights)
         return out.x, out.topk_weights, _EventOverlap(async_with_compute_stream, [])
 
@@ -132,6 +134,15 @@ def _install_fake() -> None:
     module.ElasticBuffer = FakeElasticBuffer
     module.__version__ = "2.1.0-fake"
     sys.modules["deep_ep"] = module
+
+
+def use_stand_in_backend() -> None:
+    """Makes ``backend="deepep"`` run the adapter over the stand-in, on CPU tensors of any dtype (call in a rank)."""
+    from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend
+
+    _install_fake()
+    DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
+    DeepEPBackend.limits = ReferenceBackend.limits
 
 
 def _adapter_worker(rank: int, world: int) -> None:

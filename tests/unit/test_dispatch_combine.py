@@ -32,8 +32,14 @@ def _roundtrip(rank: int, world: int, layout: str, alignments: list[int], dtype:
 
         result = dv2.dispatch(x, idx, w, EXPERTS, layout=layout, expert_alignment=alignment, zero_padding=layout == "expand")
         counts = result.handle.tokens_per_expert_list
-        assert all(c % alignment == 0 for c in counts), counts
-        assert sum(counts) == (result.recv_x.shape[0] if layout == "expand" else sum(counts))
+        # Oracle: every token of every rank that selected each local expert, padded to the alignment.
+        selected = [int((problem.topk_idx == expert).sum()) for expert in range(mine.start, mine.stop)]
+        assert counts == [-(-c // alignment) * alignment for c in selected], (counts, selected)
+        if layout == "expand":
+            assert result.recv_x.shape[0] == sum(counts)
+        else:  # one row per received token: those with a selection on this rank, from every rank
+            on_rank = ((problem.topk_idx >= mine.start) & (problem.topk_idx < mine.stop)).any(dim=1)
+            assert result.recv_x.shape[0] == int(on_rank.sum())
         assert result.tokens_per_expert.tolist() == counts
         if layout == "expand":
             expert_out = experts_on_expand(result.recv_x, result.recv_topk_weights, counts, local_w)

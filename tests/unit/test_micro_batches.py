@@ -23,13 +23,9 @@ MICRO_BATCHES = [[8, 6], [20, 24], [5, 0], [40, 33]]  # both ranks exceed togeth
 
 def _use_backend(name: str) -> None:
     if name == "deepep":
-        from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend
-        from tests.unit.test_deepep_adapter import _install_fake
+        from tests.unit.test_deepep_adapter import use_stand_in_backend
 
-        _install_fake()
-        # CPU tensors, any dtype: the stand-in computes like the reference backend.
-        DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
-        DeepEPBackend.limits = ReferenceBackend.limits
+        use_stand_in_backend()
     dv2.configure(backend=name, validate=False)
 
 

@@ -1,4 +1,10 @@
-"""The communication-ordering flags of the autograd ops change nothing in the results."""
+"""The communication-ordering flags of the autograd ops: passed through as asked, and results unchanged.
+
+Runs through the DeepEP adapter over the strict stand-in (``tests/unit/test_deepep_adapter.py``), which records the
+flags of every call and enforces DeepEP's rules about them (a previous event only with ``allocate_on_comm_stream``,
+events waited only in async mode), so each variant really takes its own path; every variant's results are checked
+against the dense oracle.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import torch
 
 import megatron_deepepv2 as dv2
 from tests.distributed import run_distributed
-from tests.oracle import experts_on_expand, make_problem
+from tests.oracle import dense_moe, experts_on_expand, make_problem
 
 
 def _run_once(problem, rank: int, world: int, **flags):
@@ -16,7 +22,8 @@ def _run_once(problem, rank: int, world: int, **flags):
     local = problem.num_experts // world
     x = problem.x[rows].clone().requires_grad_()
     w = problem.topk_weights[rows].to(torch.float64).clone().requires_grad_()  # cast to fp32 by the op
-    out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout="expand", expert_alignment=8, **flags)
+    out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout="expand", expert_alignment=8,
+                       zero_padding=True, backend="deepep", **flags)
     y = experts_on_expand(out.recv_x, out.recv_topk_weights, out.handle.tokens_per_expert_list,
                           problem.expert_weights[rank * local:(rank + 1) * local])
     y = dv2.combine(y, out.handle, **flags)
@@ -26,13 +33,28 @@ def _run_once(problem, rank: int, world: int, **flags):
 
 
 def _variants(rank: int, world: int) -> None:
+    from tests.unit.test_deepep_adapter import FakeElasticBuffer, use_stand_in_backend
+
+    use_stand_in_backend()
+    dv2.configure(validate=False)
     problem = make_problem(11, [5, 7, 0, 4][:world], 8, 8, 2)
-    baseline = _run_once(problem, rank, world)
+    rows = problem.rows(rank)
+    gx = problem.x.clone().requires_grad_()
+    gw = problem.topk_weights.clone().requires_grad_()
+    dense = dense_moe(gx, problem.topk_idx, gw, problem.expert_weights)
+    (dense * problem.grad_out).sum().backward()
     for async_finish, allocate in itertools.product([False, True], repeat=2):
-        again = _run_once(problem, rank, world, async_finish=async_finish, allocate_on_comm_stream=allocate)
-        for a, b in zip(baseline, again):
-            assert torch.equal(a, b)
+        FakeElasticBuffer.calls.clear()
+        y, x_grad, w_grad = _run_once(problem, rank, world, async_finish=async_finish, allocate_on_comm_stream=allocate)
+        calls = FakeElasticBuffer.calls
+        assert {c["op"] for c in calls} == {"dispatch", "combine"} and len(calls) == 4  # forward and backward
+        assert all(c["async_"] is async_finish and c["alloc"] is allocate for c in calls), calls
+        assert all(c["prev"] == ("event-handle" if allocate else None) for c in calls), calls
+        tag = f"async={async_finish} allocate_on_comm_stream={allocate}"
+        torch.testing.assert_close(y, dense[rows].detach(), rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(x_grad, gx.grad[rows], rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(w_grad, gw.grad[rows].double(), rtol=1e-5, atol=1e-5, msg=tag)
 
 
-def test_async_and_comm_stream_flags_give_identical_results() -> None:
-    run_distributed(_variants, 4)
+def test_async_and_comm_stream_flags_reach_deepep_and_change_no_result() -> None:
+    run_distributed(_variants, 4, env={"LOCAL_WORLD_SIZE": "4"})
