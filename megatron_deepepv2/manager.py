@@ -11,7 +11,8 @@ Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` 
 * ``compact``: one row per (token, rank), then Megatron's own permute/unpermute (inherited from
   ``_DeepepManager``) with its align size.
 
-Choose with ``MEGATRON_DEEPEPV2_LAYOUT`` or ``megatron_deepepv2.configure(layout=...)``.
+Choose with ``MEGATRON_DEEPEPV2_LAYOUT`` or ``megatron_deepepv2.configure(layout=...)``; the choice (with the
+other dispatch settings) is resolved once per ``TransformerConfig`` by :func:`dispatch_config_for`.
 
 No host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``, expand only): the dispatch output has the worst-case
 row count and ``get_number_of_tokens_per_expert()`` is a device tensor; nothing on this path reads a
@@ -161,7 +162,8 @@ class _DeepepV2Manager(_DeepepManager):
 
     Raises:
         ImportError: If the configured backend was named explicitly and cannot run.
-        ValueError: If no-host-sync mode is asked for with the compact layout.
+        ValueError: If no-host-sync mode or ``moe_expert_rank_capacity_factor`` is asked for with the compact
+            layout, or the backend cannot run the configured mode.
     """
 
     def __init__(
