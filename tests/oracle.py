@@ -8,6 +8,7 @@ whole problem computed locally by plain autograd.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -106,3 +107,22 @@ def experts_on_expand(recv_x: torch.Tensor, recv_weights: torch.Tensor, tokens_p
     weights = torch.split(recv_weights.to(recv_x.dtype), tokens_per_expert)
     outs = [(b @ local_weights[e]) * w.unsqueeze(1) for e, (b, w) in enumerate(zip(blocks, weights))]
     return torch.cat(outs, dim=0) if outs else recv_x.new_zeros((0, recv_x.shape[1]))
+
+
+class DenseResult(NamedTuple):
+    """The dense oracle's output and gradients for a whole problem (every rank's tokens)."""
+
+    y: torch.Tensor
+    x_grad: torch.Tensor
+    weights_grad: torch.Tensor
+    experts_grad: torch.Tensor
+
+
+def dense_step(problem: MoEProblem) -> DenseResult:
+    """:func:`dense_moe` forward and backward against ``problem.grad_out``, on fresh copies of its tensors."""
+    x = problem.x.clone().requires_grad_()
+    weights = problem.topk_weights.clone().requires_grad_()
+    experts = problem.expert_weights.clone().requires_grad_()
+    y = dense_moe(x, problem.topk_idx, weights, experts)
+    (y * problem.grad_out).sum().backward()
+    return DenseResult(y.detach(), x.grad, weights.grad, experts.grad)

@@ -14,7 +14,7 @@ import torch
 import megatron_deepepv2 as dv2
 from megatron_deepepv2 import buffers
 from tests.distributed import run_distributed
-from tests.oracle import dense_moe, experts_on_compact, experts_on_expand, make_problem
+from tests.oracle import dense_step, experts_on_compact, experts_on_expand, make_problem
 
 HIDDEN, EXPERTS, TOPK = 16, 8, 3
 #: Tokens per rank of each micro-batch: capacity 8, then 32 (a rebuild), then 64 (another).
@@ -56,16 +56,12 @@ def _in_flight(rank: int, world: int, backend: str, layout: str, order: str) -> 
     for index in (range(len(steps)) if order == "1f1b" else reversed(range(len(steps)))):
         problem, rows, x, w, experts, y = steps[index]
         (y * problem.grad_out[rows]).sum().backward()
-        gx = problem.x.clone().requires_grad_()
-        gw = problem.topk_weights.clone().requires_grad_()
-        gexp = problem.expert_weights.clone().requires_grad_()
-        dense = dense_moe(gx, problem.topk_idx, gw, gexp)
-        (dense * problem.grad_out).sum().backward()
+        dense = dense_step(problem)
         tag = f"micro-batch {index}"
-        torch.testing.assert_close(y, dense[rows].detach(), rtol=1e-10, atol=1e-10, msg=tag)
-        torch.testing.assert_close(x.grad, gx.grad[rows], rtol=1e-10, atol=1e-10, msg=tag)
-        torch.testing.assert_close(w.grad, gw.grad[rows], rtol=1e-5, atol=1e-5, msg=tag)
-        torch.testing.assert_close(experts.grad, gexp.grad[mine], rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(y, dense.y[rows], rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(x.grad, dense.x_grad[rows], rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(w.grad, dense.weights_grad[rows], rtol=1e-5, atol=1e-5, msg=tag)
+        torch.testing.assert_close(experts.grad, dense.experts_grad[mine], rtol=1e-10, atol=1e-10, msg=tag)
     stand_ins = [getattr(b, "buffer", None) for b in buffers.retired_buffers()]  # the ElasticBuffer stand-ins
     del steps, problem, rows, x, w, experts, y  # the step is over: nothing refers to the handles any more
     # The next dispatch releases the superseded buffers (collectively).

@@ -14,7 +14,7 @@ import torch
 
 import megatron_deepepv2 as dv2
 from tests.distributed import run_distributed
-from tests.oracle import dense_moe, experts_on_expand, make_problem
+from tests.oracle import dense_step, experts_on_expand, make_problem
 
 
 def _run_once(problem, rank: int, world: int, **flags):
@@ -39,10 +39,7 @@ def _variants(rank: int, world: int) -> None:
     dv2.configure(validate=False)
     problem = make_problem(11, [5, 7, 0, 4][:world], 8, 8, 2)
     rows = problem.rows(rank)
-    gx = problem.x.clone().requires_grad_()
-    gw = problem.topk_weights.clone().requires_grad_()
-    dense = dense_moe(gx, problem.topk_idx, gw, problem.expert_weights)
-    (dense * problem.grad_out).sum().backward()
+    dense = dense_step(problem)
     for async_finish, allocate in itertools.product([False, True], repeat=2):
         FakeElasticBuffer.calls.clear()
         y, x_grad, w_grad = _run_once(problem, rank, world, async_finish=async_finish, allocate_on_comm_stream=allocate)
@@ -51,9 +48,9 @@ def _variants(rank: int, world: int) -> None:
         assert all(c["async_"] is async_finish and c["alloc"] is allocate for c in calls), calls
         assert all(c["prev"] == ("event-handle" if allocate else None) for c in calls), calls
         tag = f"async={async_finish} allocate_on_comm_stream={allocate}"
-        torch.testing.assert_close(y, dense[rows].detach(), rtol=1e-10, atol=1e-10, msg=tag)
-        torch.testing.assert_close(x_grad, gx.grad[rows], rtol=1e-10, atol=1e-10, msg=tag)
-        torch.testing.assert_close(w_grad, gw.grad[rows].double(), rtol=1e-5, atol=1e-5, msg=tag)
+        torch.testing.assert_close(y, dense.y[rows], rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(x_grad, dense.x_grad[rows], rtol=1e-10, atol=1e-10, msg=tag)
+        torch.testing.assert_close(w_grad, dense.weights_grad[rows].double(), rtol=1e-5, atol=1e-5, msg=tag)
 
 
 def test_async_and_comm_stream_flags_reach_deepep_and_change_no_result() -> None:
