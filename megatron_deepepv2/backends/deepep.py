@@ -63,7 +63,8 @@ def import_deep_ep() -> Any:
 
     Raises:
         ImportError: If ``deep_ep`` is missing, fails its own import checks (DeepEP raises AssertionError for
-            an NCCL mismatch, which is converted here), or lacks ``ElasticBuffer`` (a V1 build).
+            an NCCL mismatch, which is converted here), or lacks ``ElasticBuffer``; the message names what was
+            found (DeepEP V2.5's ``EPBuffer``, v1's ``Buffer``, or another package's ``deep_ep``).
     """
     try:
         import deep_ep  # noqa: PLC0415 - optional dependency
@@ -72,9 +73,23 @@ def import_deep_ep() -> Any:
     except AssertionError as error:  # check_nccl_so(): duplicate or mismatched libnccl
         raise ImportError(f"deep_ep refused to import: {error}. {INSTALL_HINT}") from error
     if not hasattr(deep_ep, "ElasticBuffer"):
-        version = getattr(deep_ep, "__version__", "unknown")
-        raise ImportError(f"deep_ep {version} has no ElasticBuffer: it is DeepEP v1. {INSTALL_HINT}")
+        raise ImportError(f"{_describe_deep_ep(deep_ep)} {INSTALL_HINT}")
     return deep_ep
+
+
+def _describe_deep_ep(deep_ep: Any) -> str:
+    """Says which DeepEP line a ``deep_ep`` without ``ElasticBuffer`` is, from what it exports."""
+    version = getattr(deep_ep, "__version__", "of unknown version")
+    where = getattr(deep_ep, "__file__", None) or "an unknown location"
+    if hasattr(deep_ep, "EPBuffer"):
+        return (f"deep_ep {version} (from {where}) is DeepEP V2.5: it provides EPBuffer, not the ElasticBuffer of "
+                "the DeepEP 2.1 line that this backend drives. Install DeepEP 2.1.x (the 2.1.0 release, commit "
+                "dd758ca, provides ElasticBuffer).")
+    if hasattr(deep_ep, "Buffer"):
+        return f"deep_ep {version} (from {where}) has Buffer but no ElasticBuffer: it is DeepEP v1."
+    found = sorted(name for name in vars(deep_ep) if not name.startswith("_"))
+    return (f"deep_ep {version} (from {where}) has neither ElasticBuffer (DeepEP 2.1) nor EPBuffer (V2.5) nor Buffer "
+            f"(v1); it exports {found[:12]}. Another package may own the name deep_ep (HybridEP installs one too).")
 
 
 def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:

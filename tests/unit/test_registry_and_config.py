@@ -94,3 +94,27 @@ def test_configure_and_override() -> None:
     assert dv2.get_settings() == before
     with pytest.raises(TypeError, match="Unknown deepepv2 setting"):
         dv2.configure(colour="blue")
+
+
+@pytest.mark.parametrize(
+    ("exports", "phrase"),
+    [
+        ({"EPBuffer": object, "__version__": "2.5.0"}, "deep_ep 2.5.0 (from "),
+        ({"EPBuffer": object}, "is DeepEP V2.5: it provides EPBuffer"),
+        ({"Buffer": object, "__version__": "1.2.1"}, "has Buffer but no ElasticBuffer: it is DeepEP v1"),
+        ({"HybridEPBuffer": object}, "exports ['HybridEPBuffer']"),
+    ],
+)
+def test_import_deep_ep_names_the_deepep_line_it_found(monkeypatch: pytest.MonkeyPatch, exports: dict,
+                                                       phrase: str) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("deep_ep")
+    for name, value in exports.items():
+        setattr(module, name, value)
+    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    with pytest.raises(ImportError) as info:
+        import_deep_ep()
+    assert phrase in str(info.value), str(info.value)
+    assert "MEGATRON_DEEPEPV2_BACKEND=reference" in str(info.value)
