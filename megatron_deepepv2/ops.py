@@ -209,7 +209,6 @@ class _DispatchFunction(torch.autograd.Function):
             previous_event=previous_event,
         )
         out.event.wait()
-        ctx.handle = None  # the last use of the handle: its buffer can go once the step is done with it
         return out.x, None, out.topk_weights, None, None, None, None, None
 
 

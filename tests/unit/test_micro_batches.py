@@ -145,3 +145,21 @@ def _moe_layer_in_flight(rank: int, world: int, layout: str) -> None:
 @pytest.mark.parametrize("layout", ["compact", "expand"])
 def test_moe_layer_with_two_micro_batches_in_flight_matches_alltoall(layout: str) -> None:
     run_distributed(_moe_layer_in_flight, 2, layout, timeout=180, env={"LOCAL_WORLD_SIZE": "2"})
+
+
+def _retained_graph(rank: int, world: int) -> None:
+    """A backward with retain_graph=True can run again (the handle stays with the graph until it is freed)."""
+    _use_backend("reference")
+    problem = make_problem(3, [6, 4], HIDDEN, EXPERTS, TOPK)
+    rows = problem.rows(rank)
+    x = problem.x[rows].clone().requires_grad_()
+    out = dv2.dispatch(x, problem.topk_idx[rows], problem.topk_weights[rows], EXPERTS)
+    y = dv2.combine(out.recv_x * 2, out.handle)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_backward_with_retained_graph_runs_twice() -> None:
+    run_distributed(_retained_graph, 2)
