@@ -8,8 +8,9 @@ rebuilt only when a batch needs more token capacity than it has; a build is coll
 and never happens inside CUDA-graph capture.
 
 **Lifetime.** Every dispatch handle refers to the buffer that made it, and the autograd graph of a micro-batch keeps
-its handle until the graph is freed (after its backward, once nothing refers to the step's outputs). Several micro-batches are in flight under pipeline schedules, EP all-to-all
-overlap and variable-length batches, so a rebuild must not destroy the superseded buffer: it is *retired*, still
+its handle until the graph is freed (after its backward, once nothing refers to the step's outputs). Several
+micro-batches are in flight under pipeline schedules, EP all-to-all overlap and variable-length batches, so a
+rebuild must not destroy the superseded buffer: it is *retired*, still
 usable by the handles that refer to it, and destroyed once none does. Destroying is collective (DeepEP barriers),
 so it happens at a point every rank reaches in the same order -- the start of a later dispatch on the same group --
 and only when every rank agrees, through one small all-reduce, that no handle uses the buffer any more. That
