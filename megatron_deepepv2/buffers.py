@@ -10,12 +10,12 @@ and never happens inside CUDA-graph capture.
 **Lifetime.** Every dispatch handle refers to the buffer that made it, and the autograd graph of a micro-batch keeps
 its handle until the graph is freed (after its backward, once nothing refers to the step's outputs). Several
 micro-batches are in flight under pipeline schedules, EP all-to-all overlap and variable-length batches, so a
-rebuild must not destroy the superseded buffer: it is *retired*, still
-usable by the handles that refer to it, and destroyed once none does. Destroying is collective (DeepEP barriers),
-so it happens at a point every rank reaches in the same order -- the start of a later dispatch on the same group --
-and only when every rank agrees, through one small all-reduce, that no handle uses the buffer any more. That
-all-reduce runs only while a retired buffer waits (a few calls after a rebuild), never in steady state and never
-during CUDA-graph capture; :func:`destroy_buffers` releases everything at shutdown.
+rebuild must not destroy the superseded buffer: it is *retired*, still usable by the handles that refer to it, and
+destroyed once none does. Destroying is collective (DeepEP barriers), so it happens at a point every rank reaches in
+the same order -- the start of a later dispatch on the same group -- and only when every rank agrees, through one
+small all-reduce, that no handle uses the buffer any more. That all-reduce runs only while a retired buffer waits
+(a few calls after a rebuild), never in steady state and never during CUDA-graph capture; :func:`destroy_buffers`
+releases everything at shutdown.
 
 Token capacity (``num_max_tokens_per_rank``) is the same on every rank, as DeepEP requires (it is a JIT
 constant and a layout parameter). It comes from configuration, exactly as configured (it sizes the worst-case
@@ -132,10 +132,9 @@ def get_buffer(
             "capture. Run one eager step with the same shapes before capturing."
         )
 
-    capacity = int(configured_capacity) if configured_capacity else 0
     # A configured capacity is taken as it is: without host sync it sizes every worst-case receive buffer, so
-    # rounding it up would inflate them. Only the learnt capacity (largest batch) is rounded to a power of two,
-    # so that batches of varying size rebuild (and recompile DeepEP's kernels) rarely.
+    # rounding it up would inflate them.
+    capacity = int(configured_capacity) if configured_capacity else 0
     # Start from the largest capacity this group already has (another layer's buffer has seen the same batches),
     # so that a second key does not grow through the sizes the first one grew through.
     known = [b.spec.num_max_tokens_per_rank for (name, g, _), b in _buffers.items() if name == backend_cls.name
@@ -144,6 +143,8 @@ def get_buffer(
     # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the
     # largest batch before building.
     (largest,) = all_reduce_max([num_tokens], group)
+    # Only a learnt capacity (largest batch) is rounded to a power of two, so that batches of varying size rebuild
+    # (and recompile DeepEP's kernels) rarely.
     capacity = max(capacity, next_power_of_two(largest) if not configured_capacity else largest)
 
     if current is not None:
