@@ -1,11 +1,13 @@
 """Environment doctor: ``python -m megatron_deepepv2.doctor [--json]``.
 
 Checks what the DeepEP v2 path needs, each finding with a fix: Python, torch and megatron-core versions;
-CUDA and the SM architecture; ``deep_ep`` importable with ``ElasticBuffer``; the NCCL runtime actually loaded
-(>= 2.30.4, and exactly one ``libnccl`` mapped); ``deep_ep._C`` linking libstdc++ dynamically (a static copy
-crashes inside ``std::regex`` at the first dispatch); ``nvcc`` and a writable JIT cache for DeepEP's kernels;
-NVLink, and whether ``EP_DISABLE_GIN=1`` is needed (no RDMA NIC); the NVLink-multicast guard variables;
-the torchrun environment.
+CUDA and the SM architecture; ``deep_ep`` importable and which line it is (2.1 ``ElasticBuffer`` or V2.5
+``EPBuffer``, :mod:`megatron_deepepv2.deepep_lines`); the NCCL runtime actually loaded (that line's minimum:
+2.30.4 / 2.32.3, and exactly one ``libnccl`` mapped); ``deep_ep._C`` linking libstdc++ dynamically (a static copy
+crashes inside ``std::regex`` at the first dispatch); ``nvcc`` (V2.5's JIT needs >= 13.1) against the driver's CUDA
+version (a newer nvcc's cubins load on an older driver, its PTX does not) and a writable JIT cache; NVLink, and
+whether ``EP_DISABLE_GIN=1`` is needed (no RDMA NIC); the NVLink-multicast guard variables; the torchrun
+environment.
 
 Exit status: 1 when a blocking problem (``fail``) was found, else 0. Every probe of the system goes through
 :class:`Probes`, so tests inject facts instead of needing a GPU.
@@ -19,14 +21,16 @@ import glob
 import json
 import os
 import shutil
+import re
 import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from megatron_deepepv2.deepep_lines import DEEPEP_2_1, LINES, DeepEPLine, Version, parse_version, version_text
+
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
-MIN_NCCL = (2, 30, 4)
 MULTICAST_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -102,7 +106,8 @@ def _default_deep_ep() -> dict[str, Any]:
     except (ImportError, AssertionError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
     ext = glob.glob(os.path.join(os.path.dirname(deep_ep.__file__), "_C*.so"))
-    return {"version": getattr(deep_ep, "__version__", "unknown"), "has_elastic": hasattr(deep_ep, "ElasticBuffer"),
+    return {"version": getattr(deep_ep, "__version__", "unknown"),
+            "buffers": [name for name in ("EPBuffer", "ElasticBuffer", "Buffer") if hasattr(deep_ep, name)],
             "extension": ext[0] if ext else None}
 
 
@@ -137,7 +142,9 @@ def _default_versions() -> dict[str, Optional[str]]:
     return versions
 
 
-def _nvcc_path(env: dict[str, str]) -> Optional[str]:
+def find_nvcc(env: dict[str, str]) -> Optional[str]:
+    """The nvcc DeepEP's JIT would use: ``EP_JIT_NVCC_COMPILER``, ``$CUDA_HOME`` / ``$CUDA_PATH``, ``PATH``, then
+    ``/usr/local/cuda`` (None when there is none)."""
     for var in ("EP_JIT_NVCC_COMPILER",):
         if env.get(var) and os.path.exists(env[var]):
             return env[var]
@@ -148,6 +155,28 @@ def _nvcc_path(env: dict[str, str]) -> Optional[str]:
     if found:
         return found
     return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+
+
+def _default_nvcc_version(nvcc: str) -> Optional[Version]:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _default_driver_cuda() -> Optional[Version]:
+    """The CUDA version the driver supports (``cuDriverGetVersion``), None without a driver."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        code = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(code)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return code.value // 1000, (code.value % 1000) // 10
 
 
 def _writable_dir(path: str) -> bool:
@@ -171,20 +200,73 @@ class Probes:
     mapped_nccl: Callable[[], list[str]] = _default_mapped_nccl
     deep_ep: Callable[[], dict[str, Any]] = _default_deep_ep
     needed_libraries: Callable[[str], list[str]] = elf_needed_libraries
-    nvcc_path: Callable[[dict[str, str]], Optional[str]] = _nvcc_path
+    nvcc_path: Callable[[dict[str, str]], Optional[str]] = find_nvcc
+    nvcc_version: Callable[[str], Optional[Version]] = _default_nvcc_version
+    driver_cuda: Callable[[], Optional[Version]] = _default_driver_cuda
     writable_dir: Callable[[str], bool] = _writable_dir
     nvlink: Callable[[], Optional[bool]] = _default_nvlink
     rdma_devices: Callable[[], list[str]] = lambda: sorted(glob.glob("/sys/class/infiniband/*"))
 
 
-def _version_tuple(text: Optional[str]) -> tuple[int, ...]:
-    parts = []
-    for piece in (text or "0").split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+def _check_deep_ep(p: Probes, deep_ep: dict[str, Any], add: Callable[[Finding], None]) -> Optional[DeepEPLine]:
+    """The ``deep_ep`` import and ``deep_ep._C``'s libstdc++ linkage; returns the installed line (None: unusable)."""
+    if "error" in deep_ep:
+        add(Finding("deep_ep", FAIL, f"import deep_ep failed: {deep_ep['error']}",
+                    "Install DeepEP v2 (2.1 with ElasticBuffer, or V2.5 with EPBuffer) built against the NCCL torch "
+                    "loads: python -m megatron_deepepv2.install_deepep --deepep-src PATH."))
+        return None
+    buffers = deep_ep.get("buffers") or []
+    line = next((candidate for candidate in LINES if candidate.buffer_class in buffers), None)
+    if line is None:
+        kind = "DeepEP v1 or HybridEP" if "Buffer" in buffers else "not DeepEP"
+        add(Finding("deep_ep", FAIL, f"deep_ep {deep_ep.get('version')} exports {buffers or 'no buffer'} ({kind}): "
+                    "neither ElasticBuffer (DeepEP 2.1) nor EPBuffer (V2.5)",
+                    "Install DeepEP v2 (2.1 or V2.5); HybridEP and DeepEP v1 install a module named deep_ep too."))
+        return None
+    add(Finding("deep_ep", OK, f"deep_ep {deep_ep.get('version')}: DeepEP {line.name} line with {line.buffer_class} "
+                f"(needs NCCL >= {version_text(line.min_nccl)}"
+                + (f", nvcc >= {version_text(line.min_nvcc)})" if line.min_nvcc else ")")))
+    extension = deep_ep.get("extension")
+    if extension:
+        try:
+            needed = p.needed_libraries(extension)
+        except (OSError, ValueError) as error:
+            add(Finding("libstdc++-linkage", WARN, f"cannot read {extension}: {error}"))
+        else:
+            dynamic = any(lib.startswith("libstdc++.so") for lib in needed)
+            add(Finding("libstdc++-linkage", OK if dynamic else FAIL,
+                        f"{os.path.basename(extension)} NEEDED: {', '.join(needed)}",
+                        "" if dynamic else "deep_ep._C has libstdc++ linked statically and will crash inside "
+                        "std::regex at the first dispatch; rebuild it with a compiler that links libstdc++ "
+                        "dynamically (install_deepep picks one; or CXX=/usr/bin/g++)."))
+    return line
+
+
+def _check_nvcc(p: Probes, line: DeepEPLine, add: Callable[[Finding], None]) -> None:
+    """nvcc for the JIT: present, new enough for ``line``, and what a driver older than it can load."""
+    nvcc = p.nvcc_path(p.env)
+    if not nvcc:
+        add(Finding("nvcc", FAIL, "nvcc: not found", "DeepEP JIT-compiles its kernels at first use: install a CUDA "
+                    "toolkit and set CUDA_HOME (or EP_JIT_NVCC_COMPILER)."))
+        return
+    version = p.nvcc_version(nvcc)
+    too_old = line.min_nvcc is not None and (version is None or version < line.min_nvcc)
+    add(Finding("nvcc", FAIL if too_old else OK, f"nvcc {version_text(version)} at {nvcc}",
+                f"DeepEP {line.name}'s JIT needs nvcc >= {version_text(line.min_nvcc)}: install that CUDA toolkit "
+                "(or the pip wheels nvidia-cuda-nvcc, nvidia-nvvm, nvidia-cuda-crt) and point CUDA_HOME at it."
+                if too_old else ""))
+    driver = p.driver_cuda()
+    if version is None or driver is None:
+        return
+    if tuple(version[:2]) <= tuple(driver[:2]):
+        add(Finding("nvcc-driver", OK, f"driver supports CUDA {version_text(driver)} >= nvcc {version_text(version)}: "
+                    "cubins and PTX both load"))
+    else:
+        add(Finding("nvcc-driver", WARN, f"nvcc {version_text(version)} is newer than the driver's CUDA "
+                    f"{version_text(driver)}: the cubins it builds load (DeepEP's JIT builds cubins), its PTX does not "
+                    "(CUDA_ERROR_UNSUPPORTED_PTX_VERSION)",
+                    f"Fine for DeepEP; code that JIT-compiles PTX through the driver needs a driver for CUDA "
+                    f">= {version_text(version)}."))
 
 
 def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
@@ -202,15 +284,15 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     add = findings.append
 
     versions = p.versions()
-    python = _version_tuple(versions.get("python"))
+    python = parse_version(versions.get("python"))
     add(Finding("python", OK if python >= (3, 12) else FAIL, f"Python {versions.get('python')}",
                 "" if python >= (3, 12) else "megatron-core >= 0.17 needs Python >= 3.12."))
     torch_version = versions.get("torch")
-    ok_torch = torch_version is not None and _version_tuple(torch_version) >= (2, 10)
+    ok_torch = torch_version is not None and parse_version(torch_version) >= (2, 10)
     add(Finding("torch", OK if ok_torch else FAIL, f"torch {torch_version}",
                 "" if ok_torch else "Install torch >= 2.10 (DeepEP v2 requirement)."))
     mcore = versions.get("megatron-core")
-    ok_mcore = mcore is not None and (0, 17) <= _version_tuple(mcore)[:2] < (0, 20)
+    ok_mcore = mcore is not None and (0, 17) <= parse_version(mcore)[:2] < (0, 20)
     add(Finding("megatron-core", OK if ok_mcore else FAIL, f"megatron-core {mcore}",
                 "" if ok_mcore else "Install megatron-core >=0.17,<0.20."))
 
@@ -228,47 +310,25 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
             add(Finding("gpu-count", WARN, f"{cuda['count']} GPU visible",
                         "Expert parallelism with DeepEP needs >= 2 GPUs (a 1-rank ElasticBuffer crashed in trials)."))
 
+    deep_ep = p.deep_ep()
+    line = _check_deep_ep(p, deep_ep, add)
+    # Requirements of the installed line; without a usable deep_ep, the 2.1 line's (the lower ones).
+    requirements = line or DEEPEP_2_1
     nccl = p.nccl_version()
     if nccl is None:
         add(Finding("nccl-version", FAIL, "torch reports no NCCL", "Use a CUDA build of torch with NCCL."))
     else:
-        nccl_ok = tuple(nccl) >= MIN_NCCL
-        add(Finding("nccl-version", OK if nccl_ok else FAIL, f"NCCL {'.'.join(map(str, nccl))} loaded by torch",
-                    "" if nccl_ok else "DeepEP v2 needs NCCL >= 2.30.4 at run time: make torch load that libnccl "
-                    "(and build DeepEP against the same one)."))
+        nccl_ok = tuple(nccl) >= requirements.min_nccl
+        add(Finding("nccl-version", OK if nccl_ok else FAIL, f"NCCL {version_text(tuple(nccl))} loaded by torch",
+                    "" if nccl_ok else f"DeepEP {requirements.name} needs NCCL >= {version_text(requirements.min_nccl)} "
+                    "at run time: make torch load that libnccl and build DeepEP against the same one "
+                    "(python -m megatron_deepepv2.install_deepep does both)."))
     mapped = p.mapped_nccl()
     add(Finding("nccl-single-library", OK if len(mapped) <= 1 else FAIL,
                 f"libnccl mapped: {', '.join(mapped) or 'none yet'}",
                 "" if len(mapped) <= 1 else "Exactly one libnccl may be mapped (DeepEP asserts at import); drop "
                 "LD_PRELOAD of a second NCCL and replace the one torch loads instead."))
-
-    deep_ep = p.deep_ep()
-    if "error" in deep_ep:
-        add(Finding("deep_ep", FAIL, f"import deep_ep failed: {deep_ep['error']}",
-                    "Install DeepEP v2 (>= 2.1.0) built against the NCCL torch loads."))
-    elif not deep_ep.get("has_elastic"):
-        add(Finding("deep_ep", FAIL, f"deep_ep {deep_ep.get('version')} has no ElasticBuffer (DeepEP v1)",
-                    "Install DeepEP v2 (>= 2.1.0)."))
-    else:
-        add(Finding("deep_ep", OK, f"deep_ep {deep_ep.get('version')} with ElasticBuffer"))
-        extension = deep_ep.get("extension")
-        if extension:
-            try:
-                needed = p.needed_libraries(extension)
-            except (OSError, ValueError) as error:
-                add(Finding("libstdc++-linkage", WARN, f"cannot read {extension}: {error}"))
-            else:
-                dynamic = any(lib.startswith("libstdc++.so") for lib in needed)
-                add(Finding("libstdc++-linkage", OK if dynamic else FAIL,
-                            f"{os.path.basename(extension)} NEEDED: {', '.join(needed)}",
-                            "" if dynamic else "deep_ep._C has libstdc++ linked statically and will crash inside "
-                            "std::regex at the first dispatch; rebuild it with a compiler that links libstdc++ "
-                            "dynamically (e.g. CXX=/usr/bin/g++)."))
-
-    nvcc = p.nvcc_path(env)
-    add(Finding("nvcc", OK if nvcc else FAIL, f"nvcc: {nvcc or 'not found'}",
-                "" if nvcc else "DeepEP JIT-compiles its kernels at first use: install a CUDA toolkit and set "
-                "CUDA_HOME (or EP_JIT_NVCC_COMPILER)."))
+    _check_nvcc(p, requirements, add)
     cache = env.get("EP_JIT_CACHE_DIR") or os.path.join(env.get("HOME", "/root"), ".deep_ep")
     writable = p.writable_dir(cache)
     add(Finding("jit-cache", OK if writable else FAIL, f"JIT cache {cache} {'writable' if writable else 'not writable'}",

@@ -20,9 +20,11 @@ def healthy(**changes) -> Probes:
         cuda=lambda: {"available": True, "count": 2, "capability": (9, 0), "name": "NVIDIA H200"},
         nccl_version=lambda: (2, 30, 7),
         mapped_nccl=lambda: ["/site/nvidia/nccl/lib/libnccl.so.2"],
-        deep_ep=lambda: {"version": "2.1.0", "has_elastic": True, "extension": "/site/deep_ep/_C.so"},
+        deep_ep=lambda: {"version": "2.1.0", "buffers": ["ElasticBuffer", "Buffer"], "extension": "/site/deep_ep/_C.so"},
         needed_libraries=lambda path: ["libnccl.so.2", "libstdc++.so.6", "libc.so.6"],
         nvcc_path=lambda env: "/usr/local/cuda/bin/nvcc",
+        nvcc_version=lambda nvcc: (13, 0),
+        driver_cuda=lambda: (13, 0),
         writable_dir=lambda path: True,
         nvlink=lambda: True,
         rdma_devices=lambda: [],
@@ -48,7 +50,10 @@ def test_healthy_machine_has_no_blocking_problem(capsys: pytest.CaptureFixture) 
         ({"mapped_nccl": lambda: ["/a/libnccl.so.2", "/b/libnccl.so.2"]}, "nccl-single-library", "Exactly one libnccl"),
         ({"needed_libraries": lambda p: ["libnccl.so.2", "libc.so.6"]}, "libstdc++-linkage", "std::regex"),
         ({"deep_ep": lambda: {"error": "ModuleNotFoundError: No module named 'deep_ep'"}}, "deep_ep", "Install DeepEP v2"),
-        ({"deep_ep": lambda: {"version": "1.2.1", "has_elastic": False}}, "deep_ep", "Install DeepEP v2"),
+        ({"deep_ep": lambda: {"version": "1.2.1", "buffers": ["Buffer"]}}, "deep_ep", "HybridEP and DeepEP v1"),
+        ({"deep_ep": lambda: {"version": "2.5.0", "buffers": ["EPBuffer"]}}, "nccl-version", "needs NCCL >= 2.32.3"),
+        ({"deep_ep": lambda: {"version": "2.5.0", "buffers": ["EPBuffer"]}, "nccl_version": lambda: (2, 32, 3)},
+         "nvcc", "needs nvcc >= 13.1"),
         ({"cuda": lambda: {"available": True, "count": 2, "capability": (8, 0), "name": "A100"}}, "cuda", "sm_90a"),
         ({"cuda": lambda: {"available": False}}, "cuda", "MEGATRON_DEEPEPV2_BACKEND=reference"),
         ({"nvcc_path": lambda env: None}, "nvcc", "CUDA_HOME"),
@@ -64,6 +69,26 @@ def test_each_blocking_problem_is_reported_with_a_fix(changes, check, phrase) ->
     finding = next(f for f in findings if f.check == check)
     assert finding.status == FAIL and phrase in finding.fix
     assert main([], probes=healthy(**changes)) == 1
+
+
+def test_v2_5_line_with_its_requirements_is_healthy() -> None:
+    probes = healthy(deep_ep=lambda: {"version": "2.5.0", "buffers": ["EPBuffer"], "extension": "/site/deep_ep/_C.so"},
+                     nccl_version=lambda: (2, 32, 3), nvcc_version=lambda nvcc: (13, 1))
+    findings = run_checks(probes)
+    deep_ep = next(f for f in findings if f.check == "deep_ep")
+    assert deep_ep.status == OK and "V2.5" in deep_ep.detail and "EPBuffer" in deep_ep.detail
+    assert not [f for f in findings if f.status == FAIL]
+
+
+@pytest.mark.parametrize("nvcc,driver,expected,phrase", [
+    ((13, 1), (13, 0), "warn", "cubins it builds load"),
+    ((13, 0), (13, 0), "ok", "cubins and PTX both load"),
+    ((12, 9), (13, 0), "ok", "cubins and PTX both load"),
+])
+def test_doctor_says_whether_a_newer_nvcc_than_the_driver_can_run(nvcc, driver, expected, phrase) -> None:
+    findings = run_checks(healthy(nvcc_version=lambda path: nvcc, driver_cuda=lambda: driver))
+    finding = next(f for f in findings if f.check == "nvcc-driver")
+    assert finding.status == expected and phrase in finding.detail
 
 
 def test_rdma_nic_makes_gin_fine_without_the_variable() -> None:

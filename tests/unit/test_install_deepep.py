@@ -1,0 +1,390 @@
+"""The DeepEP installer's decisions, with the build steps injected (a fake machine that records every command).
+
+The fake machine behaves like the GPU machine: PyTorch loads NCCL 2.28.9 from its pip package until a
+``megatron_deepepv2_nccl.pth`` puts a newer one first; ``make`` writes an NCCL build; ``pip install`` of the
+DeepEP tree installs a ``deep_ep`` whose extension links libstdc++ the way the chosen compiler does. The compiler
+probe also runs for real with this machine's g++ (and a wrapper that links libstdc++ statically).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from typing import Any, Optional
+
+import pytest
+
+from megatron_deepepv2 import install_deepep
+from megatron_deepepv2.doctor import elf_needed_libraries
+from megatron_deepepv2.install_deepep import PTH_NAME, InstallError, Installer, InstallOptions, System, main
+
+TORCH_NCCL = "/site/nvidia/nccl/lib/libnccl.so.2"
+
+
+def make_deepep_tree(root: str, line: str = "2.1", with_fmt: bool = True) -> str:
+    tree = os.path.join(root, "DeepEP")
+    os.makedirs(os.path.join(tree, "deep_ep", "buffers"))
+    with open(os.path.join(tree, "setup.py"), "w") as f:
+        f.write("# setup\n")
+    with open(os.path.join(tree, "deep_ep", "__init__.py"), "w") as f:
+        f.write("__version__ = '2.5.0'\n" if line == "V2.5" else "__version__ = '2.1.0'\n")
+    open(os.path.join(tree, "deep_ep", "buffers", "ep.py" if line == "V2.5" else "elastic.py"), "w").close()
+    with open(os.path.join(tree, ".gitmodules"), "w") as f:
+        f.write('[submodule "third-party/fmt"]\n\tpath = third-party/fmt\n\turl = https://github.com/fmtlib/fmt.git\n')
+    os.makedirs(os.path.join(tree, "third-party", "fmt"))
+    if with_fmt:
+        open(os.path.join(tree, "third-party", "fmt", "CMakeLists.txt"), "w").close()
+    return tree
+
+
+def make_nccl_tree(root: str, version: tuple[int, int, int] = (2, 30, 7)) -> str:
+    tree = os.path.join(root, "nccl")
+    os.makedirs(os.path.join(tree, "makefiles"), exist_ok=True)
+    with open(os.path.join(tree, "makefiles", "version.mk"), "w") as f:
+        f.write("##### version\nNCCL_MAJOR   := {}\nNCCL_MINOR   := {}\nNCCL_PATCH   := {}\nNCCL_SUFFIX  :=\n".format(*version))
+    return tree
+
+
+class FakeMachine:
+    """A GPU machine in miniature: records commands, answers probes from what the commands left behind."""
+
+    def __init__(self, root: str, compilers: Optional[dict[str, bool]] = None, nvcc: tuple[int, int] = (13, 0),
+                 torch_nccl: tuple[int, int, int] = (2, 28, 9), build_fails: bool = False) -> None:
+        self.root = root
+        self.site = os.path.join(root, "site-packages")
+        os.makedirs(self.site)
+        self.compilers = compilers if compilers is not None else {"/usr/bin/g++": True}
+        self.nvcc = nvcc
+        self.torch_nccl = torch_nccl
+        self.build_fails = build_fails
+        self.commands: list[list[str]] = []
+        self.envs: list[dict[str, str]] = []
+        self.deep_ep: Optional[dict[str, Any]] = None
+        self.extension_dynamic = True
+        self.registry_nccl: Optional[tuple[int, int, int]] = None
+
+    def system(self) -> System:
+        return System(env={"PATH": "/usr/bin", "HOME": self.root}, python="/venv/bin/python", run=self.run,
+                      probe_python=self.probe_python, gpu_arch=lambda: "90",
+                      find_nvcc=lambda env: "/usr/local/cuda/bin/nvcc", nvcc_version=lambda path: self.nvcc,
+                      needed_libraries=self.needed_libraries, distribution=self.distribution,
+                      has_distribution_like=lambda fragment: fragment == "nvidia-nvshmem",
+                      which=self.which,
+                      site_packages=lambda: self.site)
+
+    def which(self, name: str) -> Optional[str]:
+        path = name if name.startswith("/") else f"/usr/bin/{name}"
+        return path if path in self.compilers else None
+
+    # -- commands
+    def run(self, cmd: list[str], env: dict[str, str], cwd: Optional[str], log: Optional[str]) -> int:
+        self.commands.append(list(cmd))
+        self.envs.append(dict(env))
+        if log:
+            with open(log, "w") as f:
+                f.write("line 1\nerror: something broke\n" if self.build_fails else "ok\n")
+        if cmd[0] in self.compilers:  # the compiler probe
+            open(cmd[cmd.index("-o") + 1], "wb").close()
+            return 0
+        if cmd[0] == "make":
+            if self.build_fails:
+                return 2
+            build = next(a.split("=", 1)[1] for a in cmd if a.startswith("BUILDDIR="))
+            version = install_deepep.nccl_source_version(cmd[2])
+            os.makedirs(os.path.join(build, "lib"), exist_ok=True)
+            os.makedirs(os.path.join(build, "include"), exist_ok=True)
+            with open(os.path.join(build, "lib", "libnccl.so.{}.{}.{}".format(*version)), "wb") as f:
+                f.write(b"\x7fELF fake nccl")
+            open(os.path.join(build, "include", "nccl.h"), "w").close()
+            os.makedirs(os.path.join(build, "include", "nccl_device", "impl"), exist_ok=True)
+            open(os.path.join(build, "include", "nccl_device", "impl", "barrier__funcs.h"), "w").close()
+            return 0
+        if cmd[1:4] == ["-m", "pip", "install"]:
+            if "nvidia-nccl-cu13>=2.30.4" in cmd or "nvidia-nccl-cu13>=2.32.3" in cmd:
+                self.registry_nccl = (2, 32, 3)
+                return 0
+            if any(a.startswith("nvidia-cuda-nvcc") for a in cmd):
+                return 0
+            if self.build_fails:
+                return 1
+            extension = os.path.join(self.site, "deep_ep", "_C.cpython-312-x86_64-linux-gnu.so")
+            os.makedirs(os.path.dirname(extension), exist_ok=True)
+            open(extension, "wb").close()
+            self.extension_dynamic = self.compilers.get(env["CXX"], False)
+            self.deep_ep = {"version": "2.1.0+local", "files": [extension],
+                            "buffers": ["EPBuffer"] if os.path.isfile(os.path.join(cmd[-1], "deep_ep", "buffers", "ep.py"))
+                            else ["ElasticBuffer", "Buffer"]}
+            return 0
+        return 0
+
+    # -- probes
+    def needed_libraries(self, path: str) -> list[str]:
+        if path.endswith("probe.so"):
+            cxx = next(c for c in reversed(self.commands) if c[0] in self.compilers)[0]
+            dynamic = self.compilers[cxx]
+        else:
+            dynamic = self.extension_dynamic
+        return ["libnccl.so.2", "libc.so.6"] + (["libstdc++.so.6"] if dynamic else [])
+
+    def distribution(self, name: str) -> Optional[dict[str, Any]]:
+        if name == "deep_ep":
+            return self.deep_ep
+        if name == "nvidia-nccl-cu13":
+            return {"version": "2.28.9", "files": []}
+        return None
+
+    def probe_python(self, python: str, import_deep_ep: bool, env: dict[str, str]) -> dict[str, Any]:
+        pth = os.path.join(self.site, PTH_NAME)
+        if os.path.isfile(pth):
+            prefix = open(pth).read().split("sys.path.insert(0, '")[1].split("'")[0]
+            lib = os.path.join(prefix, "nvidia", "nccl", "lib")
+            full = next(n for n in os.listdir(lib) if n.count(".") == 4)
+            out = {"nccl": [int(x) for x in full.split(".so.")[1].split(".")], "mapped": [os.path.join(lib, "libnccl.so.2")]}
+        elif self.registry_nccl:
+            out = {"nccl": list(self.registry_nccl), "mapped": [TORCH_NCCL]}
+        else:
+            out = {"nccl": list(self.torch_nccl), "mapped": [TORCH_NCCL]}
+        out["cuda"] = "13.0"
+        if import_deep_ep:
+            if self.deep_ep is None:
+                out["error"] = "ModuleNotFoundError: No module named 'deep_ep'"
+            else:
+                out.update(deep_ep="2.1.0", buffers=self.deep_ep.get("buffers", []))
+        return out
+
+    def ran(self, program: str) -> list[list[str]]:
+        return [c for c in self.commands if c[0] == program or (program == "pip" and c[1:3] == ["-m", "pip"])]
+
+
+def options(tmp_path, **changes) -> InstallOptions:
+    fields = dict(work_dir=str(tmp_path / "work"), nccl_prefix=str(tmp_path / "prefix"), jobs=16)
+    fields.update(changes)
+    if "deepep_src" not in fields:
+        default = os.path.join(str(tmp_path), "default", "DeepEP")
+        fields["deepep_src"] = default if os.path.isdir(default) else make_deepep_tree(os.path.dirname(default))
+    return InstallOptions(**fields)
+
+
+def test_source_built_nccl_then_deepep_then_doctor_and_a_rerun_does_nothing(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)))
+    assert Installer(opts, machine.system()).run() == 0
+    make = machine.ran("make")
+    assert len(make) == 1 and "NVCC_GENCODE=-gencode=arch=compute_90,code=sm_90" in make[0] and "-j16" in make[0]
+    root = tmp_path / "prefix" / "nvidia" / "nccl"
+    assert (root / "lib" / "libnccl.so.2.30.7").is_file() and (root / "include" / "nccl.h").is_file()
+    assert (root / "include" / "nccl_device" / "impl" / "barrier__funcs.h").is_file()
+    assert os.readlink(root / "lib" / "libnccl.so.2") == "libnccl.so.2.30.7"
+    pth = open(os.path.join(machine.site, PTH_NAME)).read()
+    assert f"sys.path.insert(0, '{tmp_path / 'prefix'}')" in pth and "Delete this file to undo" in pth
+    (pip_deepep,) = [c for c in machine.ran("pip") if c[-1] == opts.deepep_src]
+    assert "--no-build-isolation" in pip_deepep
+    build_env = machine.envs[machine.commands.index(pip_deepep)]
+    assert build_env["CXX"] == "/usr/bin/g++" and build_env["EP_NCCL_ROOT_DIR"] == str(root)
+    assert build_env["TORCH_CUDA_ARCH_LIST"] == "9.0" and build_env["LDSHARED"] == "/usr/bin/g++ -shared"
+    assert machine.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.doctor"]
+
+    before = len(machine.commands)
+    assert Installer(opts, machine.system()).run() == 0
+    rerun = machine.commands[before:]
+    assert not [c for c in rerun if c[0] == "make" or c[1:3] == ["-m", "pip"]], rerun
+
+
+def test_a_removed_pth_is_rewritten_without_rebuilding_nccl(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)))
+    Installer(opts, machine.system()).run()
+    pth = os.path.join(machine.site, PTH_NAME)
+    os.remove(pth)
+    before = len(machine.commands)
+    Installer(opts, machine.system()).run()
+    assert not [c for c in machine.commands[before:] if c[0] == "make"] and os.path.isfile(pth)
+
+
+def test_a_pth_that_does_not_win_fails_the_torch_nccl_step(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    system = machine.system()
+    system.probe_python = lambda python, import_deep_ep, env: {"nccl": [2, 28, 9], "mapped": [TORCH_NCCL], "cuda": "13.0"}
+    with pytest.raises(InstallError, match=r"torch-nccl.*PyTorch maps .*libnccl.so.2.*not only .*libnccl.so.2.30.7"):
+        Installer(options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path))), system).run()
+
+
+def test_a_changed_tree_rebuilds_deepep_but_not_nccl(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)))
+    Installer(opts, machine.system()).run()
+    with open(os.path.join(opts.deepep_src, "deep_ep", "buffers", "elastic.py"), "w") as f:
+        f.write("# patched\n")
+    before = len(machine.commands)
+    Installer(opts, machine.system()).run()
+    rerun = machine.commands[before:]
+    assert not [c for c in rerun if c[0] == "make"]
+    assert [c for c in rerun if c[-1] == opts.deepep_src]
+
+
+def test_torch_nccl_new_enough_is_used_as_is(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path), torch_nccl=(2, 30, 7))
+    nvidia = tmp_path / "site" / "nvidia" / "nccl"
+    (nvidia / "lib").mkdir(parents=True)
+    (nvidia / "include").mkdir()
+    (nvidia / "include" / "nccl.h").touch()
+    (nvidia / "lib" / "libnccl.so.2").touch()
+    global TORCH_NCCL
+    saved, TORCH_NCCL = TORCH_NCCL, str(nvidia / "lib" / "libnccl.so.2")
+    try:
+        Installer(options(tmp_path), machine.system()).run()
+    finally:
+        TORCH_NCCL = saved
+    assert not machine.ran("make") and not os.path.exists(os.path.join(machine.site, PTH_NAME))
+    (pip_deepep,) = [c for c in machine.ran("pip")]
+    assert machine.envs[machine.commands.index(pip_deepep)]["EP_NCCL_ROOT_DIR"] == str(nvidia)
+
+
+def test_registry_nccl_is_a_pip_upgrade_with_the_lines_minimum(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    Installer(options(tmp_path, nccl_from_registry=True), machine.system()).run()
+    assert ["/venv/bin/python", "-m", "pip", "install", "--upgrade", "nvidia-nccl-cu13>=2.30.4"] in machine.commands
+    assert not machine.ran("make") and not os.path.exists(os.path.join(machine.site, PTH_NAME))
+
+
+def test_v2_5_tree_needs_nvcc_13_1_and_nccl_2_32_3(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    tree = make_deepep_tree(str(tmp_path), line="V2.5")
+    with pytest.raises(InstallError, match=r"toolchain.*needs nvcc >= 13.1; found nvcc 13.0.*--nvcc-from-registry"):
+        Installer(options(tmp_path, deepep_src=tree, nccl_from_registry=True), machine.system()).run()
+    machine.nvcc = (13, 1)
+    with pytest.raises(InstallError, match=r"source tree at .* is 2.30.7; DeepEP V2.5 needs >= 2.32.3"):
+        Installer(options(tmp_path, deepep_src=tree, nccl_src=make_nccl_tree(str(tmp_path))), machine.system()).run()
+    Installer(options(tmp_path, deepep_src=tree, nccl_from_registry=True), machine.system()).run()
+    assert any(c[-1] == "nvidia-nccl-cu13>=2.32.3" for c in machine.ran("pip"))
+
+
+def test_v2_5_nvcc_from_the_registry(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    nvcc = os.path.join(machine.site, "nvidia", "cu13", "bin", "nvcc")
+    os.makedirs(os.path.dirname(nvcc))
+    open(nvcc, "w").close()
+    system = machine.system()
+    system.nvcc_version = lambda path: (13, 1) if path == nvcc else (13, 0)
+    tree = make_deepep_tree(str(tmp_path), line="V2.5")
+    Installer(options(tmp_path, deepep_src=tree, nccl_from_registry=True, nvcc_from_registry=True), system).run()
+    assert any(c[4:] == ["nvidia-cuda-nvcc>=13.1", "nvidia-nvvm>=13.1", "nvidia-cuda-crt>=13.1"] for c in machine.commands)
+    (pip_deepep,) = [c for c in machine.ran("pip") if c[-1] == tree]
+    assert machine.envs[machine.commands.index(pip_deepep)]["CUDA_HOME"] == os.path.join(machine.site, "nvidia", "cu13")
+
+
+def test_old_nccl_without_a_way_to_get_a_new_one_says_both_options(tmp_path) -> None:
+    with pytest.raises(InstallError, match=r"needs NCCL >= 2.30.4; PyTorch loads NCCL 2.28.9 .*--nccl-src PATH.*"
+                                           r"--nccl-from-registry"):
+        Installer(options(tmp_path), FakeMachine(str(tmp_path)).system()).run()
+
+
+def test_static_compilers_are_skipped_and_named_when_none_is_left(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path), compilers={"/opt/gcc/bin/g++": False, "/usr/bin/g++": True})
+    system = machine.system()
+    system.env["CXX"] = "/opt/gcc/bin/g++"
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)))
+    Installer(opts, system).run()
+    (pip_deepep,) = [c for c in machine.ran("pip") if c[-1] == opts.deepep_src]
+    assert machine.envs[machine.commands.index(pip_deepep)]["CXX"] == "/usr/bin/g++"
+    machine.compilers["/usr/bin/g++"] = False
+    before = len(machine.commands)
+    with pytest.raises(InstallError, match=r"compiler.*/opt/gcc/bin/g\+\+: links libstdc\+\+ statically.*"
+                                           r"/usr/bin/g\+\+: links libstdc\+\+ statically.*; c\+\+: not found"):
+        Installer(options(tmp_path, nccl_src=opts.nccl_src, work_dir=str(tmp_path / "w2")), system).run()
+    # "g++" on PATH is /usr/bin/g++ again: probed once
+    assert [c[0] for c in machine.commands[before:] if c[0] in machine.compilers] == ["/opt/gcc/bin/g++", "/usr/bin/g++"]
+
+
+def test_a_static_extension_fails_the_deep_ep_step(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    system = machine.system()
+    original = machine.run
+
+    def run(cmd, env, cwd, log):  # the build ignores CXX and links libstdc++ statically
+        code = original(cmd, env, cwd, log)
+        if cmd[-1].endswith("DeepEP"):
+            machine.extension_dynamic = False
+        return code
+
+    system.run = run
+    with pytest.raises(InstallError, match=r"deep_ep.*links libstdc\+\+ statically.*std::regex.*--cxx"):
+        Installer(options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path))), system).run()
+
+
+def test_a_foreign_deep_ep_is_replaced_only_when_asked(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    machine.deep_ep = {"version": "1.2.1+hybrid", "files": []}
+    nccl = make_nccl_tree(str(tmp_path))
+    with pytest.raises(InstallError, match=r"deep_ep 1.2.1\+hybrid that this installer did not install.*--replace-deep-ep"):
+        Installer(options(tmp_path, nccl_src=nccl), machine.system()).run()
+    assert not [c for c in machine.ran("pip")]
+    Installer(options(tmp_path, nccl_src=nccl, replace_deep_ep=True), machine.system()).run()
+    assert machine.deep_ep["version"] == "2.1.0+local"
+
+
+def test_a_failing_build_names_the_step_and_the_log(tmp_path, capsys) -> None:
+    machine = FakeMachine(str(tmp_path), build_fails=True)
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)))
+    argv = ["--deepep-src", opts.deepep_src, "--nccl-src", opts.nccl_src, "--work-dir", opts.work_dir,
+            "--nccl-prefix", opts.nccl_prefix]
+    assert main(argv, machine.system()) == 2
+    out = capsys.readouterr().out
+    assert "step 'nccl' failed" in out and "exited with status 2" in out and "nccl-build.log" in out
+    assert "error: something broke" in out and "[3/8] nccl ..." in out
+
+
+def test_tree_problems_are_named(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    tree = make_deepep_tree(str(tmp_path / "a"), with_fmt=False)
+    with pytest.raises(InstallError, match=r"lacks its submodule\(s\) third-party/fmt.*submodule update --init"):
+        Installer(options(tmp_path, deepep_src=tree), machine.system()).run()
+    v1 = make_deepep_tree(str(tmp_path / "b"))
+    os.remove(os.path.join(v1, "deep_ep", "buffers", "elastic.py"))
+    with pytest.raises(InstallError, match=r"not a DeepEP v2 source tree"):
+        Installer(options(tmp_path, deepep_src=v1), machine.system()).run()
+    with pytest.raises(InstallError, match=r"is not an NCCL source tree"):
+        Installer(options(tmp_path, nccl_src=str(tmp_path)), machine.system()).run()
+
+
+def test_two_mapped_nccls_fail_the_verification(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    system = machine.system()
+    original = machine.probe_python
+
+    def probe(python, import_deep_ep, env):
+        out = original(python, import_deep_ep, env)
+        if import_deep_ep:
+            out["mapped"] = out["mapped"] + ["/preloaded/libnccl.so.2"]
+        return out
+
+    system.probe_python = probe
+    with pytest.raises(InstallError, match=r"verify.*2 NCCL libraries are mapped"):
+        Installer(options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path))), system).run()
+
+
+def test_dry_run_changes_nothing(tmp_path, capsys) -> None:
+    machine = FakeMachine(str(tmp_path))
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)), dry_run=True)
+    assert Installer(opts, machine.system()).run() == 0
+    assert not [c for c in machine.commands if c[0] == "make" or c[1:3] == ["-m", "pip"]]
+    assert not os.path.exists(os.path.join(machine.site, PTH_NAME)) and not os.path.exists(opts.nccl_prefix)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler (g++) on this machine")
+def test_compiler_probe_on_this_machine_tells_static_from_dynamic(tmp_path) -> None:
+    wrapper = tmp_path / "static-g++"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("g++")} -static-libstdc++ "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    installer = Installer(options(tmp_path), System())
+    assert installer._probe_compiler(shutil.which("g++")) is None
+    verdict = installer._probe_compiler(str(wrapper))
+    assert verdict is not None and "statically" in verdict
+    assert "cannot build" in installer._probe_compiler(str(tmp_path / "missing-g++"))
+    # the verdicts come from the ELF reader on real objects
+    assert installer.system.needed_libraries is elf_needed_libraries
+
+
+def test_nccl_source_version_reads_the_makefile(tmp_path) -> None:
+    assert install_deepep.nccl_source_version(make_nccl_tree(str(tmp_path), (2, 32, 3))) == (2, 32, 3)
