@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -40,6 +41,81 @@ def all_reduce_max(values: Sequence[int], group: dist.ProcessGroup) -> list[int]
     tensor = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
+
+
+_FAILURE_PREFIX = "megatron_deepepv2/failure"
+
+
+def _store() -> Optional[dist.Store]:
+    try:
+        return dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already has
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _group_tag(group: dist.ProcessGroup) -> str:
+    return ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+def announce_failure(group: dist.ProcessGroup, error: BaseException) -> None:
+    """Leaves this rank's error where the other ranks of ``group`` can read it (the rendezvous store).
+
+    A rank that raises before a collective leaves its peers blocked in that collective until it fails for them
+    (the peer's process exits, the process group times out, or DeepEP's kernel timeout trips); they then name
+    this error as the cause (:func:`announced_failures`). Costs one store write, on the error path only.
+    """
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(f"{_FAILURE_PREFIX}/{_group_tag(group)}/{dist.get_rank()}", f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - best effort: the error itself is raised by the caller
+        pass
+
+
+def announced_failures(group: dist.ProcessGroup) -> dict[int, str]:
+    """The errors other ranks of ``group`` announced (global rank -> message); empty when none or unreachable."""
+    store = _store()
+    if store is None:
+        return {}
+    found = {}
+    tag = _group_tag(group)
+    for rank in dist.get_process_group_ranks(group):
+        key = f"{_FAILURE_PREFIX}/{tag}/{rank}"
+        try:
+            if rank != dist.get_rank() and store.check([key]):
+                found[rank] = store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store's host may be the rank that failed
+            break
+    return found
+
+
+def rendezvous(group: dist.ProcessGroup, name: str, timeout_s: float) -> bool:
+    """Waits until every rank of ``group`` reached the point called ``name`` (through the store, no collective).
+
+    Args:
+        group: The ranks that must arrive.
+        name: The point, the same string on every rank (e.g. a counter of collective events).
+        timeout_s: How long to wait.
+
+    Returns:
+        True when all arrived, False when ``timeout_s`` passed first (or True at once without a store).
+    """
+    store = _store()
+    if store is None:
+        return True
+    key = f"megatron_deepepv2/rendezvous/{_group_tag(group)}/{name}"
+    size = group_size(group)
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0005
+    while arrived < size:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+        arrived = store.add(key, 0)
+    return True
 
 
 def next_power_of_two(value: int) -> int:

@@ -22,9 +22,12 @@ constant and a layout parameter). It comes from configuration, exactly as config
 buffers of the no-host-sync mode), or, when not configured, from the largest first batch over the ranks (agreed
 by the collective build) rounded up to a power of two. In steady state no collective runs: a dispatch only
 compares its token count with the capacity. When a batch exceeds it, capacity grows collectively to the maximum
-over the ranks. That growth assumes the ranks exceed together, as Megatron's equal per-rank token counts do; for
-workloads where one rank alone can exceed, configure the true maximum, or turn on ``validate`` (then the per-call
-validation all-reduce shares every rank's count and ranks grow in lock-step).
+over the ranks. That growth needs the ranks to exceed together, as Megatron's equal per-rank token counts do: a
+rank that grows first waits for the others at the rendezvous store (no collective) for ``growth_timeout_s``, and
+when they do not come (their batches fit) it raises naming the cause instead of entering a collective they never
+join; they then fail naming it (:mod:`megatron_deepepv2.validation`). For workloads where one rank alone can
+exceed, configure the true maximum, or turn on ``validate`` (its per-call all-reduce shares every rank's count,
+so the ranks grow in lock-step).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import all_reduce_max, next_power_of_two
+from megatron_deepepv2._dist import all_reduce_max, announce_failure, next_power_of_two, rendezvous
 from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,8 @@ _retired: dict[dist.ProcessGroup, list[DispatchBackend]] = {}
 #: Live dispatch handles of each buffer (weak: a handle dropped by its last user leaves by itself).
 _handles: "weakref.WeakKeyDictionary[DispatchBackend, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 _stats = BufferStats()
+#: Builds per group so far: names each build's rendezvous point, the same on every rank.
+_builds: dict[dist.ProcessGroup, int] = {}
 
 
 @functools.cache
@@ -90,6 +95,7 @@ def get_buffer(
     configured_capacity: Optional[int] = None,
     deterministic: bool = False,
     num_sms: int = 0,
+    growth_timeout_s: float = 120.0,
 ) -> DispatchBackend:
     """Returns the buffer for ``group``, building or rebuilding it when needed.
 
@@ -103,12 +109,15 @@ def get_buffer(
         configured_capacity: Configured ``num_max_tokens_per_rank``, or None to take the largest first batch.
         deterministic: Build the buffer in deterministic mode.
         num_sms: SMs for the communication kernels (0 = backend's choice).
+        growth_timeout_s: How long a build waits for the other ranks of ``group`` to build too.
 
     Returns:
         A buffer whose capacity is at least ``num_tokens``.
 
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
+        ValueError: If the other ranks did not come to the build within ``growth_timeout_s`` (this rank's batch
+            exceeds the capacity and theirs do not).
     """
     wanted = BufferSpec(
         hidden=hidden,
@@ -140,6 +149,25 @@ def get_buffer(
     known = [b.spec.num_max_tokens_per_rank for (name, g, _), b in _buffers.items() if name == backend_cls.name
              and g is group]
     capacity = max([capacity, *known])
+    # Builds are collective: first make sure every rank is here, through the store, so that a rank that exceeds the
+    # capacity alone fails with the reason instead of waiting in an all-reduce the others never join.
+    _builds[group] = _builds.get(group, 0) + 1
+    if not rendezvous(group, f"build-{_builds[group]}", growth_timeout_s):
+        if current is None:
+            problem = ValueError(
+                f"The other ranks of the expert-parallel group did not come to build the {backend_cls.name} "
+                f"communication buffer within {growth_timeout_s:g} s (this rank's first dispatch with this shape): "
+                "a rank stopped before its first dispatch, or dispatches another shape (hidden size, top-k, FP8).")
+        else:
+            problem = ValueError(
+                f"This rank dispatches {num_tokens} tokens, more than the buffer's token capacity "
+                f"{current.spec.num_max_tokens_per_rank}, but the other ranks of the expert-parallel group did not "
+                f"come to grow it within {growth_timeout_s:g} s: their batches fit. The capacity grows only when the "
+                "ranks exceed it together. Set num_max_tokens_per_rank (MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to the "
+                "largest per-rank token count, or turn on MEGATRON_DEEPEPV2_VALIDATE=1 (the ranks then grow in "
+                "lock-step).")
+        announce_failure(group, problem)
+        raise problem
     # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the
     # largest batch before building.
     (largest,) = all_reduce_max([num_tokens], group)

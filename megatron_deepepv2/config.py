@@ -9,6 +9,8 @@ tests change settings with :func:`configure` or, temporarily, :func:`settings_ov
 | ``layout`` | ``MEGATRON_DEEPEPV2_LAYOUT`` | ``expand`` |
 | ``num_max_tokens_per_rank`` | ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK`` | unset: max over ranks of the first batch |
 | ``validate`` | ``MEGATRON_DEEPEPV2_VALIDATE`` | off (host-synchronising checks) |
+| ``check_ids`` | ``MEGATRON_DEEPEPV2_CHECK_IDS`` | on (expert-id checks on the device, no host sync) |
+| ``growth_timeout_s`` | ``MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S`` | 120 (how long a capacity growth waits for the other ranks) |
 | ``deterministic`` | ``MEGATRON_DEEPEPV2_DETERMINISTIC`` | off |
 | ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 64 (measured, see below); Megatron's SM setting wins when set |
 | ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
@@ -51,6 +53,13 @@ class DeepepV2Settings:
         validate: Run the checks that need data on the host (expert ids in range, no duplicate expert
             in a row) and agree on errors across ranks, so bad input raises on every rank. Costs a
             device-to-host sync and a small all-reduce per call: meant for tests and debugging.
+        check_ids: Check the expert ids of every dispatch without a host sync (each in ``[-1, num_experts)``, no
+            expert twice in one row): on CUDA one small kernel and a device-side assert (a bad id stops the
+            process instead of corrupting the exchange), on CPU a ValueError. ``validate`` replaces it with the
+            host-side check that names the token.
+        growth_timeout_s: How long a rank whose batch exceeds the learnt token capacity waits for the other
+            ranks to grow the buffer with it (they do when their batches exceed it too); past it, the rank raises
+            naming the cause instead of waiting in a collective the others never join.
         deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, event waits, ordered
             reductions). The Megatron dispatcher is also deterministic when its config has
             ``deterministic_mode`` (``--deterministic-mode``).
@@ -68,6 +77,8 @@ class DeepepV2Settings:
     layout: ExpertLayout = ExpertLayout.EXPAND
     num_max_tokens_per_rank: Optional[int] = None
     validate: bool = False
+    check_ids: bool = True
+    growth_timeout_s: float = 120.0
     deterministic: bool = False
     num_sms: int = DEFAULT_NUM_SMS
     allow_hybrid_mode: Optional[bool] = None
@@ -81,6 +92,8 @@ class DeepepV2Settings:
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token count, "
                 "or unset to take the largest first batch over the ranks."
             )
+        if float(self.growth_timeout_s) <= 0:
+            raise ValueError(f"growth_timeout_s={self.growth_timeout_s} must be a positive number of seconds.")
         if int(self.num_sms) < 0:
             raise ValueError(f"num_sms={self.num_sms} must be >= 0 (0 lets the backend choose).")
 
@@ -112,7 +125,7 @@ class DeepepV2Settings:
 def _parse_env_value(name: str, raw: str) -> Any:
     variable = _ENV_PREFIX + name.upper()
     text = raw.strip().lower()
-    if name in ("validate", "deterministic", "allow_hybrid_mode", "no_host_sync"):
+    if name in ("validate", "check_ids", "deterministic", "allow_hybrid_mode", "no_host_sync"):
         if name == "allow_hybrid_mode" and text in ("", "auto"):
             return None
         if text in _TRUE:
@@ -127,6 +140,11 @@ def _parse_env_value(name: str, raw: str) -> Any:
             return int(text)
         except ValueError:
             raise ValueError(f"{variable}={raw!r} is not an integer.") from None
+    if name == "growth_timeout_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{variable}={raw!r} is not a number of seconds.") from None
     return raw.strip()
 
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2 import buffers, validation
+from megatron_deepepv2 import _dist, buffers, validation
 from megatron_deepepv2._dist import group_size
 from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLayout, HiddenStates, resolve_backend
 from megatron_deepepv2.config import get_settings
@@ -76,6 +76,8 @@ class DispatchConfig:
         deterministic: Bit-exact run to run.
         num_max_tokens_per_rank: Configured token capacity, or None for the largest first batch.
         validate: Host-side value checks agreed over the group (the ``validate`` setting).
+        check_ids: Expert-id checks without a host sync when ``validate`` is off (the ``check_ids`` setting).
+        growth_timeout_s: How long a capacity growth waits for the other ranks (the ``growth_timeout_s`` setting).
         mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts. A caller that
             ignores those entries (Megatron's multihot conversion does) turns it off and saves a pass.
     """
@@ -89,6 +91,8 @@ class DispatchConfig:
     deterministic: bool = False
     num_max_tokens_per_rank: Optional[int] = None
     validate: bool = False
+    check_ids: bool = True
+    growth_timeout_s: float = 120.0
     mask_foreign_weights: bool = True
 
     @classmethod
@@ -122,6 +126,8 @@ class DispatchConfig:
             deterministic=settings.deterministic if deterministic is None else bool(deterministic),
             num_max_tokens_per_rank=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
             validate=settings.validate,
+            check_ids=settings.check_ids,
+            growth_timeout_s=float(settings.growth_timeout_s),
             mask_foreign_weights=bool(mask_foreign_weights),
         )
         problem = config.backend.preflight(host_sync=config.host_sync, deterministic=config.deterministic)
@@ -296,7 +302,8 @@ def dispatch(
 
     Raises:
         TypeError, ValueError: Bad input, raised before any communication (with the ``validate``
-            setting on, on every rank of the group).
+            setting on, on every rank of the group; else on the rank that has it, and the others' communication
+            then fails with a RuntimeError naming it, see :mod:`megatron_deepepv2.validation`).
         ImportError: An explicitly requested backend cannot run here.
     """
     if config is None:
@@ -315,6 +322,10 @@ def dispatch(
         topk_weights = topk_weights.float().contiguous()
     if isinstance(x, torch.Tensor):
         x = x.contiguous()
+    # Reading ids costs nothing on CPU tensors, so there the default id check is the host check naming the token --
+    # except without host sync, which promises no host read of device data, CPU or not.
+    host_id_check = config.validate or (config.check_ids and config.host_sync and isinstance(topk_idx, torch.Tensor)
+                                        and not topk_idx.is_cuda)
     problem = validation.check_dispatch_inputs(
         x,
         topk_idx,
@@ -326,37 +337,55 @@ def dispatch(
         expert_alignment=config.expert_alignment,
         zero_padding=config.zero_padding,
         num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-        check_values=config.validate,
+        check_values=host_id_check,
     )
     num_tokens = topk_idx.shape[0] if problem is None else 0
     max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens)
+    topk_idx = topk_idx.contiguous()
+    if config.check_ids and not host_id_check:
+        validation.assert_expert_ids_on_device(topk_idx, num_experts, group)
 
     data, scales = x if isinstance(x, tuple) else (x, None)
-    buffer = buffers.get_buffer(
-        config.backend,
-        group,
-        hidden=data.shape[1],
-        num_topk=topk_idx.shape[1],
-        use_fp8=scales is not None,
-        num_tokens=max_tokens,
-        configured_capacity=config.num_max_tokens_per_rank,
-        deterministic=config.deterministic,
-        num_sms=config.num_sms,
-    )
-    recv_x, recv_scales, recv_idx, recv_weights, handle = _DispatchFunction.apply(
-        data,
-        scales,
-        topk_weights,
-        topk_idx.contiguous(),
-        buffer,
-        num_experts,
-        config,
-        (async_finish, allocate_on_comm_stream),
-    )
+    try:
+        buffer = buffers.get_buffer(
+            config.backend,
+            group,
+            hidden=data.shape[1],
+            num_topk=topk_idx.shape[1],
+            use_fp8=scales is not None,
+            num_tokens=max_tokens,
+            configured_capacity=config.num_max_tokens_per_rank,
+            deterministic=config.deterministic,
+            num_sms=config.num_sms,
+            growth_timeout_s=config.growth_timeout_s,
+        )
+        recv_x, recv_scales, recv_idx, recv_weights, handle = _DispatchFunction.apply(
+            data,
+            scales,
+            topk_weights,
+            topk_idx,
+            buffer,
+            num_experts,
+            config,
+            (async_finish, allocate_on_comm_stream),
+        )
+    except Exception as error:
+        raise _with_peer_failures(error, group) from error
     buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
     if scales is not None:
         recv_x = (recv_x, recv_scales)
     return DispatchResult(recv_x, recv_idx, recv_weights, handle)
+
+
+def _with_peer_failures(error: Exception, group: dist.ProcessGroup) -> Exception:
+    """``error``, or one naming the peers that announced a failure first (the likely cause of ``error``)."""
+    failures = _dist.announced_failures(group)
+    if not failures:
+        return error
+    causes = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failures.items()))
+    return RuntimeError(f"Rank(s) {sorted(failures)} of the expert-parallel group rejected their dispatch or combine "
+                        f"and stopped ({causes}); this rank's communication then failed: {type(error).__name__}: "
+                        f"{error}")
 
 
 #: dispatch()'s defaults of the arguments a DispatchConfig replaces.
@@ -390,4 +419,7 @@ def combine(
     # The backend's mode checks ran when the dispatch's configuration was resolved.
     problem = validation.check_combine_inputs(x, handle, None)
     validation.raise_on_every_rank(problem, handle.backend.group, agree=get_settings().validate)
-    return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)
+    try:
+        return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)
+    except Exception as error:
+        raise _with_peer_failures(error, handle.backend.group) from error

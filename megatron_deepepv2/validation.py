@@ -3,13 +3,26 @@
 A rank that raised in the middle of a collective would leave its peers waiting forever, so every check
 here runs first. Each error names the argument, the value it had and how to fix it.
 
-Two levels:
+Three levels:
 
 * **static checks** (always on): types, dtypes, shapes, devices, configuration limits such as
   ``num_experts % group_size`` or DeepEP's ``H % 256`` for combine. They cost no device sync.
-* **value checks** (``validate`` setting, :mod:`megatron_deepepv2.config`): expert ids in range and no
-  duplicate expert in one row. They read ``topk_idx`` on the host (a device-to-host sync), then all ranks
-  agree on the outcome in one small all-reduce, so bad input on *one* rank raises on *every* rank.
+* **expert-id checks** (``check_ids`` setting, on by default): every id in ``[-1, num_experts)`` and no expert
+  twice in one row, without a host sync. On CUDA, :func:`assert_expert_ids_on_device` runs one small kernel
+  and a device-side assert that stops the process before the exchange reads a bad id (an id past the experts
+  would otherwise be dropped or index out of bounds, and a repeated expert would be received twice). CPU
+  tensors are checked on the host, where reading them costs nothing, and raise a ValueError naming the token
+  (without host sync, which promises no host read, the same test runs as tensor ops and raises a RuntimeError).
+* **agreed value checks** (``validate`` setting, :mod:`megatron_deepepv2.config`): the same checks on the host
+  (a device-to-host sync), then all ranks agree on the outcome in one small all-reduce, so bad input on
+  *one* rank raises on *every* rank at once.
+
+Without ``validate``, a rank that rejects its input raises alone; it first leaves its error in the rendezvous
+store (:func:`megatron_deepepv2._dist.announce_failure`), and a peer whose collective then fails -- when the
+failing process exits or closes its group (at once), at the process group's timeout
+(``init_process_group(timeout=...)``, Megatron's ``--distributed-timeout-minutes``), or at DeepEP's kernel
+timeouts (100 s on the GPU, 300 s on the CPU by default) -- raises naming that rank and its error. Under
+torchrun the failing rank's exit stops the others within seconds.
 """
 
 from __future__ import annotations
@@ -19,7 +32,14 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import all_reduce_max
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with every CUDA build of PyTorch on Linux
+    triton = None
+    tl = None
+
+from megatron_deepepv2._dist import all_reduce_max, announce_failure
 from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
 
 _FP8_DTYPES = tuple(
@@ -193,6 +213,92 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Excep
     return None
 
 
+_BAD_IDS_MESSAGE = (
+    "deepepv2 dispatch: topk_idx holds an expert id outside [-1, num_experts) or a token that selects one expert "
+    "twice. Rerun with MEGATRON_DEEPEPV2_VALIDATE=1 to raise a ValueError naming the token and its ids."
+)
+#: Per CUDA device: one int32 that the check kernel clears when it sees a bad id (set to 1 once, never reset:
+#: the assert that reads it stops the process).
+_ok_flags: dict[torch.device, torch.Tensor] = {}
+
+if triton is not None:
+
+    @triton.jit
+    def _check_expert_ids_kernel(idx_ptr, ok_ptr, num_tokens, num_experts, K: tl.constexpr, K_PAD: tl.constexpr,
+                                 BLOCK_T: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, K_PAD)
+        in_rows = rows < num_tokens
+        mask = in_rows[:, None] & (cols[None, :] < K)
+        ids = tl.load(idx_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=-1)
+        bad = mask & ((ids < -1) | (ids >= num_experts))
+        for j in tl.static_range(K - 1):  # id j against the ids after it
+            id_j = tl.load(idx_ptr + rows * K + j, mask=in_rows, other=-1)
+            later = mask & (cols[None, :] > j)
+            bad = bad | (later & (ids == id_j[:, None]) & (id_j[:, None] >= 0))
+        num_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+        tl.atomic_min(ok_ptr, tl.where(num_bad > 0, 0, 1))
+
+
+def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Tensor) -> None:
+    """Sets the int32 ``ok`` to 0 when ``topk_idx`` holds a bad id (out of ``[-1, num_experts)`` or repeated in a row).
+
+    Args:
+        topk_idx: ``[T, K]`` contiguous int64 expert ids on a CUDA device, ``T > 0``.
+        num_experts: Global number of experts.
+        ok: One int32 on the same device; left as it is when every id is good.
+    """
+    num_tokens, num_topk = topk_idx.shape
+    if triton is not None and topk_idx.is_cuda:
+        k_pad = triton.next_power_of_2(num_topk)
+        block_t = max(16, 2048 // k_pad)
+        _check_expert_ids_kernel[(triton.cdiv(num_tokens, block_t),)](
+            topk_idx, ok, num_tokens, num_experts, K=num_topk, K_PAD=k_pad, BLOCK_T=block_t)
+    else:  # pragma: no cover - CUDA builds of PyTorch ship Triton
+        ordered = torch.sort(topk_idx, dim=1).values
+        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any() | (
+            (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
+        ok.mul_((~bad).to(torch.int32))
+
+
+def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
+                                group: Optional[dist.ProcessGroup] = None) -> None:
+    """Checks expert ids without a host read of them: a bad id trips an assert on the tensors' device.
+
+    The default check (``check_ids``) where the ids are not read on the host. On CUDA: one Triton kernel over
+    ``[T, K]`` (ids in ``[-1, num_experts)``, no id twice in a row, -1 excepted) that clears a per-device flag,
+    and ``torch._assert_async`` on that flag; nothing is allocated per call and nothing waits, so the check can be
+    captured in a CUDA graph. A failed assert stops the process (CUDA's device-side assert is not recoverable);
+    its message says to rerun with ``MEGATRON_DEEPEPV2_VALIDATE=1`` for the offending token. Other devices (CPU
+    without host sync) run the same test with tensor ops and raise a RuntimeError with that message, first
+    announcing it to the peers of ``group``.
+
+    Args:
+        topk_idx: ``[T, K]`` contiguous int64 expert ids.
+        num_experts: Global number of experts.
+        group: The dispatch's group, told of a failure on a non-CUDA device.
+    """
+    num_tokens, num_topk = topk_idx.shape
+    if num_tokens == 0:
+        return
+    if not topk_idx.is_cuda:
+        ordered = torch.sort(topk_idx, dim=1).values
+        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any() | (
+            (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
+        try:
+            torch._assert_async(~bad, _BAD_IDS_MESSAGE)
+        except RuntimeError as error:
+            if group is not None:
+                announce_failure(group, error)
+            raise
+        return
+    ok = _ok_flags.get(topk_idx.device)
+    if ok is None:
+        ok = _ok_flags.setdefault(topk_idx.device, torch.ones(1, dtype=torch.int32, device=topk_idx.device))
+    clear_flag_on_bad_ids(topk_idx, num_experts, ok)
+    torch._assert_async(ok, _BAD_IDS_MESSAGE)
+
+
 def check_combine_inputs(
     x: torch.Tensor,
     handle: DispatchHandle,
@@ -269,6 +375,7 @@ def raise_on_every_rank(
     """
     if not agree:
         if problem is not None:
+            announce_failure(group, problem)  # for the peers, whose next collective fails without this rank
             raise problem
         return num_tokens
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -3,8 +3,9 @@
 The stand-in enforces the host-side rules of DeepEP 2.1.0 that the adapter must respect (cached dispatch
 needs ``num_sms`` and no ``topk_idx``; ``previous_event`` only with ``allocate_on_comm_stream``; zero padding
 only with expand; events waited only in async mode; explicit destroy; torch's deterministic algorithms never
-together with ``fill_uninitialized_memory``) and computes with the reference
-backend, so results can be compared. Real ElasticBuffer runs are in ``tests/functional``.
+together with ``fill_uninitialized_memory``) and computes its results with a dense oracle of DeepEP's
+exchange (:mod:`tests.stand_in`, which shares no code with the package's backends), so the adapter's results are
+compared with an independent computation. Real ElasticBuffer runs are in ``tests/functional``.
 """
 
 from __future__ import annotations
@@ -17,25 +18,24 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.oracle import make_problem
+from tests.stand_in import DenseExchange
 
 
 class _Handle:
-    def __init__(self, inner, do_expand: bool, num_sms: int, do_cpu_sync: bool) -> None:
-        self.inner, self.do_expand, self.num_sms = inner, do_expand, num_sms
+    def __init__(self, plan, do_expand: bool, num_sms: int, do_cpu_sync: bool) -> None:
+        self.plan, self.do_expand, self.num_sms = plan, do_expand, num_sms
         # Without CPU sync DeepEP leaves the host list empty.
-        self.num_recv_tokens_per_expert_list = list(inner.tokens_per_expert_list) if do_cpu_sync else []
-        # DeepEP's device-side prefix sums, built from the plan's real (unaligned) counts as documented:
-        # compact = inclusive psum of aligned counts; expand = aligned start of expert i + its real count.
-        aligned = inner.tokens_per_expert.to(torch.int32)
-        rows_received = int((inner.native.recv_src_index >= 0).sum())  # tokens received, before any expand
-        self.psum_num_recv_tokens_per_scaleup_rank = torch.tensor([0, rows_received], dtype=torch.int32)
+        self.num_recv_tokens_per_expert_list = list(plan.aligned_counts) if do_cpu_sync else []
+        # DeepEP's device-side prefix sums, as documented: compact = inclusive psum of aligned counts;
+        # expand = aligned start of expert i + its real count.
+        aligned = torch.tensor(plan.aligned_counts, dtype=torch.int32)
+        self.psum_num_recv_tokens_per_scaleup_rank = torch.tensor([0, len(plan.rows)], dtype=torch.int32)
         if do_expand:
-            positions = inner.native.expand_positions
             starts = torch.cumsum(aligned, 0) - aligned
-            real = torch.stack([((positions >= s) & (positions < s + a)).sum() for s, a in zip(starts, aligned)])
-            self.psum_num_recv_tokens_per_expert = (starts + real).to(torch.int32)
+            self.psum_num_recv_tokens_per_expert = (starts + torch.tensor(plan.real_counts)).to(torch.int32)
         else:
             self.psum_num_recv_tokens_per_expert = torch.cumsum(aligned, 0).to(torch.int32)
+        self.num_valid_rows = sum(plan.aligned_counts) if do_expand else len(plan.rows)
 
 
 def _check_torch_deterministic() -> None:
@@ -59,13 +59,11 @@ class FakeElasticBuffer:
     def __init__(self, group, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False,
                  deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True, explicitly_destroy=False,
                  **unknown) -> None:
-        from megatron_deepepv2.backends import BufferSpec, ReferenceBackend
-
         assert not unknown, unknown
         assert allow_multiple_reduction and explicitly_destroy
         self.num_bytes = 1 << 21
         self.ctor = dict(allow_hybrid_mode=allow_hybrid_mode, deterministic=deterministic, T=num_max_tokens_per_rank)
-        self.ref = ReferenceBackend(group, BufferSpec(hidden, num_topk, use_fp8_dispatch, num_max_tokens_per_rank))
+        self.exchange = DenseExchange(group, num_max_tokens_per_rank)
         self.destroyed = False
 
     @staticmethod
@@ -96,24 +94,27 @@ class FakeElasticBuffer:
             assert num_sms != 0, "DeepEP #685: num_sms=0 with a handle raises TypeError"
             assert do_expand == handle.do_expand, "do_expand must be passed explicitly on cached dispatch"
             assert not do_cpu_sync, "Cannot do CPU sync with cached handle"
-            out = self.ref.cached_dispatch(x, handle.inner, topk_weights)
-            return out.recv_x, out.recv_topk_idx, out.recv_topk_weights, handle, _EventOverlap(async_with_compute_stream, log)
-        layout = ExpertLayout.EXPAND if do_expand else ExpertLayout.COMPACT
+            recv_x, recv_weights = self.exchange.cached_dispatch(x, handle.plan, topk_weights)
+            recv_idx = None if do_expand else self._local_idx(handle.plan)
+            return recv_x, recv_idx, recv_weights, handle, _EventOverlap(async_with_compute_stream, log)
         do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
-        out = self.ref.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, layout=layout,
-                                expert_alignment=expert_alignment, zero_padding=do_zero_padding,
-                                host_sync=do_cpu_sync)
-        ep_handle = _Handle(out.handle, do_expand, num_sms or 20, do_cpu_sync)
-        recv_idx, recv_weights = out.recv_topk_idx, out.recv_topk_weights
+        recv_x, recv_idx, recv_weights, plan = self.exchange.dispatch(
+            x, topk_idx, topk_weights, num_experts=num_experts, expand=do_expand, alignment=expert_alignment,
+            cpu_sync=do_cpu_sync)
+        ep_handle = _Handle(plan, do_expand, num_sms or 20, do_cpu_sync)
         if not do_cpu_sync:  # DeepEP leaves rows past the valid extent uninitialised: make them garbage
-            tail = torch.arange(out.handle.num_recv_rows) >= out.handle.num_valid_rows
+            tail = torch.arange(plan.num_recv_rows) >= ep_handle.num_valid_rows
             if recv_idx is not None:
-                recv_idx = recv_idx.clone()
                 recv_idx[tail] = 1
             if recv_weights is not None:
-                recv_weights = recv_weights.clone()
                 recv_weights[tail] = 123.0
-        return out.recv_x, recv_idx, recv_weights, ep_handle, _EventOverlap(async_with_compute_stream, log)
+        return recv_x, recv_idx, recv_weights, ep_handle, _EventOverlap(async_with_compute_stream, log)
+
+    @staticmethod
+    def _local_idx(plan):
+        recv_idx = torch.full((plan.num_recv_rows, plan.num_topk), -1, dtype=torch.int64)
+        recv_idx[:len(plan.rows)] = plan.local_idx
+        return recv_idx
 
     def combine(self, x, handle, topk_weights=None, num_sms=0, previous_event=None, async_with_compute_stream=False,
                 allocate_on_comm_stream=False, **rest):
@@ -121,12 +122,12 @@ class FakeElasticBuffer:
         self._check_common(previous_event, allocate_on_comm_stream,
                            dict(op="combine", num_sms=num_sms, prev=previous_event, alloc=allocate_on_comm_stream,
                                 async_=async_with_compute_stream))
-        out = self.ref.combine(x, handle.inner, topk_weights)
-        return out.x, out.topk_weights, _EventOverlap(async_with_compute_stream, [])
+        combined, combined_weights = self.exchange.combine(x, handle.plan, topk_weights)
+        return combined, combined_weights, _EventOverlap(async_with_compute_stream, [])
 
     def destroy(self) -> None:
         self.destroyed = True
-        self.ref = None  # ElasticBuffer.destroy frees the buffer: any later use of it fails
+        self.exchange = None  # ElasticBuffer.destroy frees the buffer: any later use of it fails
 
 
 def _install_fake() -> None:
@@ -180,7 +181,9 @@ def _adapter_worker(rank: int, world: int) -> None:
             assert torch.equal(got.recv_topk_idx, want.recv_topk_idx)
         assert (got.recv_topk_idx is None) == (layout is ExpertLayout.EXPAND)
         combined = backend.combine(got.recv_x, got.handle, got.recv_topk_weights)
-        torch.testing.assert_close(combined.x, reference.combine(want.recv_x, want.handle, want.recv_topk_weights).x)
+        expected = reference.combine(want.recv_x, want.handle, want.recv_topk_weights)
+        torch.testing.assert_close(combined.x, expected.x)
+        torch.testing.assert_close(combined.topk_weights, expected.topk_weights)
         cached = backend.cached_dispatch(problem.grad_out[rows], got.handle)
         assert torch.equal(cached.recv_x, reference.cached_dispatch(problem.grad_out[rows], want.handle).recv_x)
         # The autograd op with DeepEP's stream flags: previous event passed, async events waited.

@@ -153,3 +153,141 @@ def test_deepep_only_limits_are_checked_before_communication() -> None:
     assert isinstance(error, ValueError) and "4-byte elements" in str(error)
     # The reference backend has none of DeepEP's hidden/dtype limits.
     assert _check(ReferenceBackend.limits, torch.zeros(4, 200, dtype=torch.float32)) is None
+
+
+# ---------------------------------------------------------------- default settings (validate off)
+DEFAULT_ENV = {"MEGATRON_DEEPEPV2_VALIDATE": "0", "MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S": "2"}
+ONE_RANK_CASES = {
+    # case: (layout, exception type, phrase on the bad rank)
+    "expert_out_of_range": ("compact", ValueError, "outside [-1, 8): token 2"),
+    "negative_expert": ("expand", ValueError, "outside [-1, 8): token 0"),
+    "duplicate_expert": ("compact", ValueError, "same expert twice for token 3"),
+    "too_many_tokens": ("expand", ValueError, "dispatches 6 tokens but num_max_tokens_per_rank=5"),
+    "x_dtype": ("compact", TypeError, "x has dtype torch.int32"),
+    "capacity_alone": ("compact", ValueError, "did not come to grow it within 2 s"),
+}
+
+
+def _one_rank_bad_at_defaults(rank: int, world: int, case: str, bad_rank: int) -> tuple[str, str, float]:
+    import time
+
+    assert not dv2.get_settings().validate and dv2.get_settings().check_ids
+    layout = ONE_RANK_CASES[case][0]
+    x, idx, w = _good(rank)
+    kwargs = {"layout": layout}
+    if case == "capacity_alone":
+        dv2.dispatch(x, idx, w, E, **kwargs)  # learns capacity 8 on both ranks
+        if rank == bad_rank:
+            gen = torch.Generator().manual_seed(5)
+            idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(20)])
+            x, w = torch.randn(20, H), torch.rand(20, K)
+    elif rank == bad_rank:
+        x, idx, w, extra = _mutate(case, x, idx, w)
+        kwargs.update(extra)
+    elif case == "too_many_tokens":
+        kwargs["num_max_tokens_per_rank"] = T  # the others fit their (equal) setting
+    started = time.monotonic()
+    try:
+        dv2.dispatch(x, idx, w, E, **kwargs)
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return type(error).__name__, str(error), time.monotonic() - started
+    return "no error", "", time.monotonic() - started
+
+
+@pytest.mark.parametrize("case", list(ONE_RANK_CASES))
+def test_one_rank_with_bad_input_at_default_settings_stops_every_rank_naming_it(case: str) -> None:
+    _layout, error_type, phrase = ONE_RANK_CASES[case]
+    bad_rank = 1
+    outcomes = run_distributed(_one_rank_bad_at_defaults, 2, case, bad_rank, env=DEFAULT_ENV, timeout=60)
+    bad_type, bad_message, _ = outcomes[bad_rank]
+    assert bad_type == error_type.__name__ and phrase in bad_message, outcomes[bad_rank]
+    peer_type, peer_message, peer_seconds = outcomes[0]
+    # The peer does not wait without end: it fails once the bad rank leaves, naming that rank and its error.
+    assert peer_type == "RuntimeError" and f"Rank(s) [{bad_rank}]" in peer_message and phrase in peer_message, \
+        outcomes[0]
+    assert peer_seconds < 30
+    if case != "capacity_alone":  # the bad rank stopped before the first build, which the peer waited for
+        assert "did not come to build the reference communication buffer within 2 s" in peer_message
+
+
+def test_bad_input_on_the_store_host_rank_still_stops_its_peer() -> None:
+    # Rank 0 hosts the rendezvous store, which goes with it: the peer fails all the same, in bounded time.
+    outcomes = run_distributed(_one_rank_bad_at_defaults, 2, "expert_out_of_range", 0, env=DEFAULT_ENV, timeout=60)
+    assert outcomes[0][0] == "ValueError" and "outside [-1, 8)" in outcomes[0][1]
+    assert outcomes[1][0] != "no error" and outcomes[1][2] < 30, outcomes[1]
+
+
+# ---------------------------------------------------------------- the device-side id check (CUDA)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device-side id check)")
+_BAD_ID_SCRIPT = """
+import sys, torch
+from megatron_deepepv2.validation import assert_expert_ids_on_device
+idx = torch.tensor([[0, 1], [2, 3], [4, 5]], device="cuda")
+case = sys.argv[1]
+if case == "too_large":
+    idx[1, 1] = 8
+elif case == "below_minus_one":
+    idx[0, 0] = -2
+elif case == "duplicate":
+    idx[2, 1] = 4
+assert_expert_ids_on_device(idx, 8)
+torch.cuda.synchronize()
+print("PASSED")
+"""
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["too_large", "below_minus_one", "duplicate", "good"])
+def test_device_side_id_check_stops_the_process_on_bad_ids(case: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT, case], capture_output=True, text=True, timeout=300)
+    if case == "good":
+        assert done.returncode == 0 and "PASSED" in done.stdout, done.stderr[-2000:]
+    else:
+        assert done.returncode != 0 and "PASSED" not in done.stdout
+        assert "device-side assert" in done.stderr or "Assertion" in done.stderr, done.stderr[-2000:]
+
+
+@needs_cuda
+def test_device_side_id_check_passes_every_valid_routing_without_a_host_sync() -> None:
+    from megatron_deepepv2.validation import assert_expert_ids_on_device
+
+    gen = torch.Generator().manual_seed(0)
+    for num_tokens, num_experts, top_k in [(1, 8, 1), (4096, 256, 8), (777, 64, 6), (3, 32, 32)]:
+        idx = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        idx[::3, -1] = -1  # -1 may repeat
+        idx[::5, :] = -1
+        idx = idx.cuda()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            assert_expert_ids_on_device(idx, num_experts)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    idx = torch.zeros(64, 8, dtype=torch.long, device="cuda") - 1
+    with torch.cuda.graph(graph):
+        assert_expert_ids_on_device(idx, 16)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
+def _bad_ids_without_host_sync(rank: int, world: int) -> str:
+    x, idx, w = _good(rank)
+    if rank == 1:
+        idx = idx.clone()
+        idx[4, 0] = E + 3
+    try:
+        dv2.dispatch(x, idx, w, E, layout="expand", host_sync=False, num_max_tokens_per_rank=T)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_bad_ids_without_host_sync_raise_the_assert_message_on_every_rank() -> None:
+    outcomes = run_distributed(_bad_ids_without_host_sync, 2, env=DEFAULT_ENV, timeout=60)
+    assert "topk_idx holds an expert id outside [-1, num_experts)" in outcomes[1], outcomes[1]
+    assert "MEGATRON_DEEPEPV2_VALIDATE=1" in outcomes[1]
+    assert "Rank(s) [1]" in outcomes[0] and "expert id outside" in outcomes[0], outcomes[0]
