@@ -13,7 +13,10 @@ COMPAT_MCORE ?= 0.17.1 0.18.2
 COMPAT_DIR := .compat
 COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_no_host_sync.py tests/unit/test_run_entry_point.py tests/unit/test_demo.py tests/determinism
 
-.PHONY: venv demo test test-compat clean
+# A Megatron-LM source tree whose megatron-core ships its own deepepv2 (e.g. its dev branch), for make test-native.
+MEGATRON_LM ?=
+
+.PHONY: venv demo test test-compat test-native clean
 
 venv: $(STAMP)
 
@@ -45,6 +48,12 @@ test-compat: $(STAMP)
 	    assert m.version('megatron-core') == '$$v', m.version('megatron-core')" || exit 1; \
 	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n auto -q $(COMPAT_TESTS) || exit 1; \
 	done
+
+# Coexistence with a native deepepv2: the policy tests, then the Megatron-facing tests, against MEGATRON_LM's tree.
+test-native: $(STAMP)
+	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-native MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
+	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q -rs tests/unit/test_native_megatron.py
+	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q $(COMPAT_TESTS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_DIR) build *.egg-info

@@ -15,6 +15,7 @@ tests change settings with :func:`configure` or, temporarily, :func:`settings_ov
 | ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 64 (measured, see below); Megatron's SM setting wins when set |
 | ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
 | ``no_host_sync`` | ``MEGATRON_DEEPEPV2_NO_HOST_SYNC`` | off (dispatch waits on the host for exact sizes) |
+| ``manager`` | ``MEGATRON_DEEPEPV2_MANAGER`` | ``plugin``: this package's manager, also where megatron-core ships its own |
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from megatron_deepepv2.backends.base import ExpertLayout
 #: keeps improving up to 64 (61 GB/s at 16, 81 at 32, 114 at 64 SMs of remote bandwidth), so dispatch +
 #: combine is 30% faster at 64 than at 16 SMs. 0 asks DeepEP's analytic model instead.
 DEFAULT_NUM_SMS = 64
+
+#: Values of the ``manager`` setting.
+MANAGERS = ("plugin", "native")
 
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -71,6 +75,10 @@ class DeepepV2Settings:
             ``num_max_tokens_per_rank``, counts kept on the device, no ``.item()``/``.tolist()`` on the path,
             so a MoE layer can be captured in a CUDA graph. Needs the expand layout and experts that take
             device-side counts (see :mod:`megatron_deepepv2.experts`).
+        manager: Which ``_DeepepV2Manager`` deepepv2 layers get on a megatron-core that ships its own:
+            ``plugin`` (this package's: expand layout, no host sync, CUDA graphs, determinism, DeepEP lines) or
+            ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing). Read by
+            ``install()``.
     """
 
     backend: str = "auto"
@@ -83,10 +91,15 @@ class DeepepV2Settings:
     num_sms: int = DEFAULT_NUM_SMS
     allow_hybrid_mode: Optional[bool] = None
     no_host_sync: bool = False
+    manager: str = "plugin"
 
     def __post_init__(self) -> None:
         self.layout = ExpertLayout.parse(self.layout)
         self.backend = str(self.backend).lower()
+        self.manager = str(self.manager).lower()
+        if self.manager not in MANAGERS:
+            raise ValueError(f"manager={self.manager!r} is not one of {', '.join(MANAGERS)} (MEGATRON_DEEPEPV2_MANAGER: "
+                             "'plugin' for this package's deepepv2, 'native' for megatron-core's own).")
         if self.num_max_tokens_per_rank is not None and int(self.num_max_tokens_per_rank) <= 0:
             raise ValueError(
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token count, "

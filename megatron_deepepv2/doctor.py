@@ -292,9 +292,14 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     add(Finding("torch", OK if ok_torch else FAIL, f"torch {torch_version}",
                 "" if ok_torch else "Install torch >= 2.10 (DeepEP v2 requirement)."))
     mcore = versions.get("megatron-core")
-    ok_mcore = mcore is not None and (0, 17) <= parse_version(mcore)[:2] < (0, 20)
-    add(Finding("megatron-core", OK if ok_mcore else FAIL, f"megatron-core {mcore}",
-                "" if ok_mcore else "Install megatron-core >=0.17,<0.20."))
+    mcore_version = parse_version(mcore)[:2] if mcore else ()
+    if not mcore or mcore_version < (0, 17):
+        add(Finding("megatron-core", FAIL, f"megatron-core {mcore}", "Install megatron-core >= 0.17 (tested: 0.17 - 0.19.x)."))
+    elif mcore_version >= (0, 20):
+        add(Finding("megatron-core", WARN, f"megatron-core {mcore}: newer than the tested releases (0.17 - 0.19.x)",
+                    "install() warns and applies its patches; each raises naming itself if this release changed it."))
+    else:
+        add(Finding("megatron-core", OK, f"megatron-core {mcore}"))
 
     cuda = p.cuda()
     if not cuda.get("available"):

@@ -22,8 +22,15 @@ place                                   change
                                         take device-side token counts (:mod:`~megatron_deepepv2.experts`)
 ======================================  ===========================================================
 
-``install()`` is idempotent. On a megatron-core release outside the supported range it raises; on one
-that already ships ``deepepv2`` it logs that and leaves Megatron alone.
+``install()`` is idempotent. Before 0.17 it raises; a release newer than the tested ones (0.17 - 0.19.x) gets a
+warning, and a patch point such a release no longer has raises naming it.
+
+**A megatron-core that ships its own ``deepepv2``** (Megatron-LM's dev branch since #4793; 0.20 lists it): one
+switch, ``MEGATRON_DEEPEPV2_MANAGER`` (:mod:`megatron_deepepv2.config`), decides. ``plugin`` (the default) keeps
+this package's manager for ``--moe-flex-dispatcher-backend deepepv2``, because it is a superset of the native one
+(which syncs the host and all-reduces on every call, receives the compact layout only and cannot be captured in a
+CUDA graph); ``native`` leaves Megatron unpatched. ``install()`` logs the choice, and the first deepepv2 layer logs
+which manager it got.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "deepepv2"
 MIN_MEGATRON = Version("0.17.0")
-MAX_MEGATRON_EXCLUSIVE = Version("0.20.0")
-SUPPORTED_RANGE = f">={MIN_MEGATRON.base_version},<{MAX_MEGATRON_EXCLUSIVE.base_version}"
+#: Releases past the last tested one get a warning, not an error.
+TESTED_BELOW = Version("0.20.0")
+TESTED_RANGE = f">={MIN_MEGATRON.base_version},<{TESTED_BELOW.base_version}"
 
 
 @dataclass
@@ -52,12 +60,16 @@ class InstallReport:
 
     Attributes:
         megatron_version: The installed megatron-core version.
-        native: Megatron already supports deepepv2; nothing was patched.
+        native: deepepv2 layers use megatron-core's own manager; nothing was patched.
+        native_available: The installed megatron-core ships a deepepv2 of its own.
+        manager: The ``manager`` setting that decided (``plugin`` or ``native``).
         patches: Names of the patches applied.
     """
 
     megatron_version: str
     native: bool = False
+    native_available: bool = False
+    manager: str = "plugin"
     patches: list[str] = field(default_factory=list)
 
 
@@ -82,7 +94,7 @@ def _config_class():
 def supports_deepepv2_natively() -> bool:
     """Whether the installed megatron-core ships a deepepv2 backend of its own."""
     if _report is not None:  # after install() the Literal holds our own addition
-        return _report.native
+        return _report.native_available
     from megatron.core.transformer.moe import token_dispatcher  # noqa: PLC0415
 
     if hasattr(token_dispatcher, "_DeepepV2Manager"):
@@ -228,9 +240,26 @@ def _make_dispatcher_class():
                 num_experts=self.tp_size * self.config.num_moe_experts,
                 config=self.config,
             )
+            _log_manager_once(self._comm_manager)
             self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.token_indices"]
 
     return DeepepV2FlexTokenDispatcher
+
+
+_logged_managers: set[tuple[str, str]] = set()
+
+
+def _log_manager_once(manager: Any) -> None:
+    """Says which manager deepepv2 layers got (once per distinct dispatch configuration in the process)."""
+    config = manager.dispatch_config
+    key = (config.backend.name, config.layout.value)
+    if key in _logged_managers:
+        return
+    _logged_managers.add(key)
+    logger.info("deepepv2 layer: megatron-deepepv2 _DeepepV2Manager (backend %s, layout %s, host sync %s)%s",
+                config.backend.name, config.layout.value, "on" if config.host_sync else "off",
+                "; megatron-core's own is not used (MEGATRON_DEEPEPV2_MANAGER=native selects it)"
+                if _report is not None and _report.native_available else "")
 
 
 def _install_dispatcher() -> None:
@@ -362,27 +391,47 @@ def install() -> InstallReport:
         What was done.
 
     Raises:
-        RuntimeError: If the installed megatron-core is outside the supported range.
+        RuntimeError: If the installed megatron-core is older than 0.17, or ``MEGATRON_DEEPEPV2_MANAGER=native``
+            asks for a deepepv2 it does not ship.
     """
     global _report
     with _install_lock:
         if _report is not None:
             return _report
         version = megatron_version()
-        if not MIN_MEGATRON <= version < MAX_MEGATRON_EXCLUSIVE:
+        if version < MIN_MEGATRON:
             raise RuntimeError(
-                f"megatron-deepepv2 supports megatron-core {SUPPORTED_RANGE}; megatron-core {version} is "
-                f"installed. Install a supported release (pip install 'megatron-core{SUPPORTED_RANGE}')."
+                f"megatron-deepepv2 needs megatron-core >= {MIN_MEGATRON.base_version} (tested: {TESTED_RANGE}); "
+                f"megatron-core {version} is installed. Upgrade it (pip install 'megatron-core{TESTED_RANGE}')."
             )
-        report = InstallReport(megatron_version=str(version))
-        if supports_deepepv2_natively():
+        if version >= TESTED_BELOW:
+            logger.warning(
+                "megatron-core %s is newer than the releases megatron-deepepv2 is tested with (%s); its patches are "
+                "applied and each raises naming itself if this release changed what it patches.", version, TESTED_RANGE,
+            )
+        from megatron_deepepv2.config import get_settings  # noqa: PLC0415
+
+        manager = get_settings().manager
+        report = InstallReport(megatron_version=str(version), native_available=supports_deepepv2_natively(),
+                               manager=manager)
+        if manager == "native":
+            if not report.native_available:
+                raise RuntimeError(
+                    f"MEGATRON_DEEPEPV2_MANAGER=native asks for megatron-core's own deepepv2, but megatron-core "
+                    f"{version} has none. Unset it (or set 'plugin') to use megatron-deepepv2's.")
             logger.info(
-                "megatron-core %s supports --moe-flex-dispatcher-backend deepepv2 natively; "
+                "MEGATRON_DEEPEPV2_MANAGER=native: deepepv2 layers use megatron-core %s's own _DeepepV2Manager; "
                 "megatron-deepepv2 leaves Megatron unpatched.", version,
             )
             report.native = True
             _report = report
             return report
+        if report.native_available:
+            logger.info(
+                "megatron-core %s ships its own deepepv2; deepepv2 layers use megatron-deepepv2's _DeepepV2Manager "
+                "instead (expand layout, no host sync, CUDA graphs, determinism). Set MEGATRON_DEEPEPV2_MANAGER=native "
+                "for megatron-core's.", version,
+            )
 
         _widen_backend_literal()
         report.patches.append("TransformerConfig.moe_flex_dispatcher_backend accepts 'deepepv2'")

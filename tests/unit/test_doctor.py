@@ -61,7 +61,7 @@ def test_healthy_machine_has_no_blocking_problem(capsys: pytest.CaptureFixture) 
         ({"env": {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}}, "gin", "EP_DISABLE_GIN=1"),
         ({"versions": lambda: {"python": "3.11.7", "torch": "2.11.0", "megatron-core": "0.19.2"}}, "python", "3.12"),
         ({"versions": lambda: {"python": "3.12.1", "torch": "2.9.1", "megatron-core": "0.19.2"}}, "torch", "2.10"),
-        ({"versions": lambda: {"python": "3.12.1", "torch": "2.11.0", "megatron-core": "0.16.1"}}, "megatron-core", ">=0.17"),
+        ({"versions": lambda: {"python": "3.12.1", "torch": "2.11.0", "megatron-core": "0.16.1"}}, "megatron-core", ">= 0.17"),
     ],
 )
 def test_each_blocking_problem_is_reported_with_a_fix(changes, check, phrase) -> None:
@@ -89,6 +89,12 @@ def test_doctor_says_whether_a_newer_nvcc_than_the_driver_can_run(nvcc, driver, 
     findings = run_checks(healthy(nvcc_version=lambda path: nvcc, driver_cuda=lambda: driver))
     finding = next(f for f in findings if f.check == "nvcc-driver")
     assert finding.status == expected and phrase in finding.detail
+
+
+def test_a_newer_megatron_core_is_a_warning_not_a_failure() -> None:
+    findings = run_checks(healthy(versions=lambda: {"python": "3.12.3", "torch": "2.11.0", "megatron-core": "0.20.1"}))
+    finding = next(f for f in findings if f.check == "megatron-core")
+    assert finding.status == "warn" and "newer than the tested" in finding.detail
 
 
 def test_rdma_nic_makes_gin_fine_without_the_variable() -> None:

@@ -273,7 +273,10 @@ def test_backend_string_checks_treat_deepepv2_like_deepep() -> None:
     run_distributed(_backend_string_checks, 2)
 
 
-def _step_aside(rank: int, world: int) -> bool:
+def _native_policy(rank: int, world: int, manager: str) -> dict:
+    import logging
+
+    import megatron_deepepv2 as dv2
     from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
@@ -281,30 +284,73 @@ def _step_aside(rank: int, world: int) -> bool:
 
     from megatron_deepepv2 import integration
 
-    token_dispatcher._DeepepV2Manager = object  # what a release with native support would have
+    token_dispatcher._DeepepV2Manager = object  # what a release with native support has
     original = moe_layer.MoEFlexTokenDispatcher
-    report = integration.install()
-    assert report.native and report.patches == []
-    assert moe_layer.MoEFlexTokenDispatcher is original
-    return report.native
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    integration.logger.addHandler(handler)
+    integration.logger.setLevel(logging.INFO)
+    with dv2.settings_override(manager=manager):
+        report = integration.install()
+    assert report.native_available and report.manager == manager
+    if manager == "native":
+        assert report.native and report.patches == [] and moe_layer.MoEFlexTokenDispatcher is original
+        assert any("MEGATRON_DEEPEPV2_MANAGER=native: deepepv2 layers use megatron-core" in r for r in records), records
+    else:
+        assert not report.native and report.patches and moe_layer.MoEFlexTokenDispatcher is not original
+        assert any("ships its own deepepv2; deepepv2 layers use megatron-deepepv2's" in r for r in records), records
+    return {"native": report.native}
 
 
-def test_steps_aside_when_megatron_supports_deepepv2() -> None:
-    assert run_distributed(_step_aside, 1) == [True]
+@pytest.mark.parametrize("manager", ["plugin", "native"])
+def test_one_switch_chooses_the_manager_when_megatron_ships_deepepv2(manager: str) -> None:
+    assert run_distributed(_native_policy, 1, manager) == [{"native": manager == "native"}]
+
+
+def _native_without_native(rank: int, world: int) -> str:
+    import megatron_deepepv2 as dv2
+    from megatron_deepepv2 import integration
+
+    if integration.supports_deepepv2_natively():
+        return "native"
+
+    with dv2.settings_override(manager="native"), pytest.raises(RuntimeError, match="has none. Unset it"):
+        integration.install()
+    with pytest.raises(ValueError, match="manager='megatron' is not one of plugin, native"):
+        dv2.configure(manager="megatron")
+    return "ok"
+
+
+def test_asking_for_a_native_manager_megatron_lacks_raises() -> None:
+    outcome = run_distributed(_native_without_native, 1)
+    if outcome == ["native"]:
+        pytest.skip("this megatron-core ships its own deepepv2")
+    assert outcome == ["ok"]
 
 
 def _unsupported_version(rank: int, world: int) -> str:
+    import logging
+
     from megatron.core import package_info
 
     from megatron_deepepv2 import integration
 
     package_info.__version__ = "0.16.1"
-    with pytest.raises(RuntimeError, match=r"supports megatron-core >=0.17.0,<0.20.0; megatron-core 0.16.1"):
+    with pytest.raises(RuntimeError, match=r"needs megatron-core >= 0.17.0 \(tested: >=0.17.0,<0.20.0\); "
+                                           r"megatron-core 0.16.1"):
         integration.install()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    integration.logger.addHandler(handler)
+    package_info.__version__ = "0.21.0"
+    report = integration.install()  # an untested newer release: patched, with a warning
+    assert report.patches and any("0.21.0 is newer than the releases" in r for r in records), records
     return "ok"
 
 
-def test_unsupported_megatron_version_raises() -> None:
+def test_old_megatron_raises_and_newer_ones_warn() -> None:
     assert run_distributed(_unsupported_version, 1) == ["ok"]
 
 

@@ -7,6 +7,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+
+def _megatron_ships_deepepv2() -> bool:
+    code = ("from megatron.core.transformer.moe import token_dispatcher as t; "
+            "print(hasattr(t, '_DeepepV2Manager'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    return done.stdout.strip().endswith("True")
+
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -32,6 +41,8 @@ def test_run_installs_plugin_and_passes_arguments(tmp_path: Path) -> None:
 
 
 def test_without_the_plugin_megatron_rejects_deepepv2(tmp_path: Path) -> None:
+    if _megatron_ships_deepepv2():
+        pytest.skip("this megatron-core ships its own deepepv2, so its CLI accepts the name without the plugin")
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     args = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
