@@ -24,8 +24,16 @@ def _gather(value: Any, group) -> list[Any]:
     return out
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    return list(x) if isinstance(x, tuple) else [x]
+_FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def _tensors(x) -> list[tuple[torch.Tensor, torch.dtype]]:
+    """The tensors of x (an FP8 pair too), FP8 as bytes: pickling FP8 storages is not supported."""
+    return [(t.view(torch.uint8) if t.dtype in _FP8 else t, t.dtype) for t in (x if isinstance(x, tuple) else (x,))]
+
+
+def _untensors(parts: list[tuple[torch.Tensor, torch.dtype]]) -> list[torch.Tensor]:
+    return [t.view(dtype) if dtype in _FP8 else t for t, dtype in parts]
 
 
 @dataclass
@@ -101,12 +109,14 @@ class DenseExchange:
         outs = []
         for part in range(len(all_x[self.rank])):
             like = all_x[self.rank][part]
-            out = torch.zeros((plan.num_recv_rows, *like.shape[1:]), dtype=like.dtype)
+            as_bytes = like.dtype in _FP8  # row copies of FP8 go through bytes
+            out = torch.zeros((plan.num_recv_rows, *like.shape[1:]), dtype=torch.uint8 if as_bytes else like.dtype)
             sources = plan.expand_rows if plan.expand else plan.rows
             for i, source in enumerate(sources):
                 if source is not None:
-                    out[i] = all_x[source[0]][part][source[1]]
-            outs.append(out)
+                    row = all_x[source[0]][part][source[1]]
+                    out[i] = row.view(torch.uint8) if as_bytes else row
+            outs.append(out.view(like.dtype) if as_bytes else out)
         weights = None
         if all_w is not None:
             if plan.expand:
@@ -124,7 +134,7 @@ class DenseExchange:
                  expand: bool, alignment: int, cpu_sync: bool):
         """Fresh dispatch: returns ``(recv_x, recv_local_idx or None, recv_weights, plan)``."""
         gathered = _gather((_tensors(x), topk_idx, topk_weights), self.group)
-        all_x, all_idx = [g[0] for g in gathered], [g[1] for g in gathered]
+        all_x, all_idx = [_untensors(g[0]) for g in gathered], [g[1] for g in gathered]
         all_w = [g[2] for g in gathered] if topk_weights is not None else None
         plan = self._plan(all_idx, num_experts, expand, alignment, cpu_sync)
         outs, weights = self._place(plan, all_x, all_w)
@@ -138,7 +148,7 @@ class DenseExchange:
         """Replays ``plan`` with new rows: returns ``(recv_x, recv_weights)``."""
         gathered = _gather((_tensors(x), topk_weights), self.group)
         all_w = [g[1] for g in gathered] if topk_weights is not None else None
-        outs, weights = self._place(plan, [g[0] for g in gathered], all_w)
+        outs, weights = self._place(plan, [_untensors(g[0]) for g in gathered], all_w)
         return (tuple(outs) if isinstance(x, tuple) else outs[0]), weights
 
     def combine(self, x: torch.Tensor, plan: DensePlan, topk_weights: Optional[torch.Tensor]):

@@ -1,4 +1,17 @@
-"""DeepEP v2 adapter: the backend contract over ``deep_ep.ElasticBuffer`` (DeepEP >= 2.1.0).
+"""DeepEP v2 adapter: the backend contract over DeepEP's expert-parallel buffer, both lines.
+
+DeepEP 2.1 (``deep_ep.ElasticBuffer``) and V2.5 (``deep_ep.EPBuffer``, :mod:`megatron_deepepv2.deepep_lines`) take
+the same calls for what this backend does; the backend picks the buffer ``deep_ep`` has (V2.5 first) with no
+setting, and the few differences live in :class:`_LineCalls`:
+
+* V2.5 keeps a reference to ``topk_idx`` in its handle (``do_handle_copy`` must be False) and asserts that the
+  tensor's version did not change while the handle lives: nothing here writes to ``topk_idx`` after the dispatch
+  (the Megatron manager builds it out of place), so the reference is safe; 2.1 copies it (its default);
+* V2.5 rounds an explicit ``num_sms`` up to even; the backend rounds it itself and says so, so that the handle, the
+  log and the buffer agree;
+* V2.5 dropped ``previous_event_before_epilogue`` (never passed here) and added ``defer_epilogue``, which is not
+  used: every dispatch here waits for its event before returning (the device counts are read in stream order
+  right after), so a deferred copy epilogue would run at that same wait and overlap nothing.
 
 A thin layer: argument plumbing, the handle translation, and the fixes for DeepEP's known traps (each handled
 where noted):
@@ -20,6 +33,7 @@ explains what is missing.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 import logging
 import os
 from typing import Any, ClassVar, Optional
@@ -28,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2._dist import collective_device, runtime_nccl_version
+from megatron_deepepv2.deepep_lines import DEEPEP_2_1, DEEPEP_2_5, DeepEPLine, line_of_module, version_text
 from megatron_deepepv2.backends.base import (
     BackendLimits,
     BufferSpec,
@@ -43,28 +58,51 @@ from megatron_deepepv2.backends.base import (
 
 logger = logging.getLogger(__name__)
 
-#: The oldest NCCL runtime DeepEP v2 works with (device API, GIN, symmetric windows).
-MIN_NCCL_VERSION = (2, 30, 4)
-
 INSTALL_HINT = (
-    "Install DeepEP v2 (>= 2.1.0, which provides deep_ep.ElasticBuffer) built against NCCL >= 2.30.4, the same "
-    "NCCL that PyTorch loads, on an SM90/SM100 GPU with nvcc available at run time for its JIT "
+    "Install DeepEP v2 -- the 2.1 line (deep_ep.ElasticBuffer, NCCL >= 2.30.4) or V2.5 (deep_ep.EPBuffer, NCCL >= "
+    "2.32.3 and nvcc >= 13.1) -- built against the NCCL that PyTorch loads, on an SM90/SM100 GPU with nvcc at run "
+    "time for its JIT: `python -m megatron_deepepv2.install_deepep --deepep-src PATH` does it "
     "(see https://github.com/deepseek-ai/DeepEP). On single-node machines without an RDMA NIC also set "
     "EP_DISABLE_GIN=1. Or select the portable backend with MEGATRON_DEEPEPV2_BACKEND=reference. "
     "`python -m megatron_deepepv2.doctor` checks every requirement."
 )
 
 
+@dataclass(frozen=True)
+class _LineCalls:
+    """How one DeepEP line differs in the calls this backend makes (see the module docstring).
+
+    Attributes:
+        line: The line.
+        dispatch_kwargs: Extra keyword arguments of every dispatch.
+        even_num_sms: The line rounds an explicit SM count up to even.
+    """
+
+    line: DeepEPLine
+    dispatch_kwargs: tuple[tuple[str, Any], ...] = ()
+    even_num_sms: bool = False
+
+    def num_sms(self, requested: int) -> int:
+        """The SM count the line runs with for ``requested`` (0 = DeepEP's choice)."""
+        return requested + (requested % 2) if self.even_num_sms else requested
+
+
+_LINE_CALLS = {
+    DEEPEP_2_1: _LineCalls(DEEPEP_2_1),
+    DEEPEP_2_5: _LineCalls(DEEPEP_2_5, dispatch_kwargs=(("do_handle_copy", False),), even_num_sms=True),
+}
+
+
 def import_deep_ep() -> Any:
-    """Imports ``deep_ep`` and checks that it is DeepEP v2.
+    """Imports ``deep_ep`` and checks that it is DeepEP v2 (the 2.1 or the V2.5 line).
 
     Returns:
         The ``deep_ep`` module.
 
     Raises:
         ImportError: If ``deep_ep`` is missing, fails its own import checks (DeepEP raises AssertionError for
-            an NCCL mismatch, which is converted here), or lacks ``ElasticBuffer``; the message names what was
-            found (DeepEP V2.5's ``EPBuffer``, v1's ``Buffer``, or another package's ``deep_ep``).
+            an NCCL mismatch, which is converted here), or has neither ``EPBuffer`` nor ``ElasticBuffer``; the
+            message names what was found (v1's ``Buffer``, or another package's ``deep_ep``).
     """
     try:
         import deep_ep  # noqa: PLC0415 - optional dependency
@@ -72,21 +110,18 @@ def import_deep_ep() -> Any:
         raise ImportError(f"deep_ep is not importable ({error}). {INSTALL_HINT}") from error
     except AssertionError as error:  # check_nccl_so(): duplicate or mismatched libnccl
         raise ImportError(f"deep_ep refused to import: {error}. {INSTALL_HINT}") from error
-    if not hasattr(deep_ep, "ElasticBuffer"):
+    if line_of_module(deep_ep) is None:
         raise ImportError(f"{_describe_deep_ep(deep_ep)} {INSTALL_HINT}")
     return deep_ep
 
 
 def _describe_deep_ep(deep_ep: Any) -> str:
-    """Says which DeepEP line a ``deep_ep`` without ``ElasticBuffer`` is, from what it exports."""
+    """Says what a ``deep_ep`` without a DeepEP v2 buffer is, from what it exports."""
     version = getattr(deep_ep, "__version__", "of unknown version")
     where = getattr(deep_ep, "__file__", None) or "an unknown location"
-    if hasattr(deep_ep, "EPBuffer"):
-        return (f"deep_ep {version} (from {where}) is DeepEP V2.5: it provides EPBuffer, not the ElasticBuffer of "
-                "the DeepEP 2.1 line that this backend drives. Install DeepEP 2.1.x (the 2.1.0 release, commit "
-                "dd758ca, provides ElasticBuffer).")
     if hasattr(deep_ep, "Buffer"):
-        return f"deep_ep {version} (from {where}) has Buffer but no ElasticBuffer: it is DeepEP v1."
+        return (f"deep_ep {version} (from {where}) has Buffer but neither ElasticBuffer (DeepEP 2.1) nor EPBuffer "
+                "(V2.5): it is DeepEP v1 (or HybridEP, which installs a module of the same name).")
     found = sorted(name for name in vars(deep_ep) if not name.startswith("_"))
     return (f"deep_ep {version} (from {where}) has neither ElasticBuffer (DeepEP 2.1) nor EPBuffer (V2.5) nor Buffer "
             f"(v1); it exports {found[:12]}. Another package may own the name deep_ep (HybridEP installs one too).")
@@ -120,13 +155,15 @@ def _deepep_unavailable_reason() -> Optional[str]:
     if major < 9:
         return f"DeepEP v2 needs an SM90 (Hopper) or SM100 GPU; this one is SM{major}x. {INSTALL_HINT}"
     nccl = runtime_nccl_version()
-    if nccl is not None and nccl < MIN_NCCL_VERSION:
-        loaded = ".".join(map(str, nccl))
-        return f"PyTorch loaded NCCL {loaded}; DeepEP v2 needs >= 2.30.4. {INSTALL_HINT}"
+    if nccl is not None and nccl < DEEPEP_2_1.min_nccl:
+        return f"PyTorch loaded NCCL {version_text(nccl)}; DeepEP v2 needs >= 2.30.4. {INSTALL_HINT}"
     try:
-        import_deep_ep()
+        line = line_of_module(import_deep_ep())
     except ImportError as error:
         return str(error)
+    if nccl is not None and nccl < line.min_nccl:
+        return (f"PyTorch loaded NCCL {version_text(nccl)}; DeepEP {line.name} ({line.buffer_class}) needs >= "
+                f"{version_text(line.min_nccl)}. {INSTALL_HINT}")
     return None
 
 
@@ -164,7 +201,7 @@ class _EventOverlapWait:
 
 
 class DeepEPBackend(DispatchBackend):
-    """Dispatch/combine with DeepEP v2's ``ElasticBuffer`` (NVLink / NCCL GIN kernels).
+    """Dispatch/combine with DeepEP v2's buffer: ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1); NVLink / NCCL GIN.
 
     Args:
         group: NCCL process group of the expert-parallel ranks.
@@ -186,11 +223,18 @@ class DeepEPBackend(DispatchBackend):
         from megatron_deepepv2.config import get_settings  # noqa: PLC0415 - avoid an import cycle
 
         deep_ep = import_deep_ep()
+        self.line_calls = _LINE_CALLS[line_of_module(deep_ep)]
+        self.num_sms = self.line_calls.num_sms(spec.num_sms)
+        if self.num_sms != spec.num_sms:
+            logger.info("DeepEP %s runs an even number of SMs: %d SMs asked, %d used", self.line_calls.line.name,
+                        spec.num_sms, self.num_sms)
+        self._dispatch_kwargs = dict(self.line_calls.dispatch_kwargs)
         ensure_nccl_communicator(group)
         allow_hybrid = get_settings().allow_hybrid_mode
         if allow_hybrid is None:
             allow_hybrid = _group_spans_nodes(self.group_size)
-        self.buffer = deep_ep.ElasticBuffer(
+        buffer_class = getattr(deep_ep, self.line_calls.line.buffer_class)
+        self.buffer = buffer_class(
             group,
             num_max_tokens_per_rank=spec.num_max_tokens_per_rank,
             hidden=spec.hidden,
@@ -202,8 +246,9 @@ class DeepEPBackend(DispatchBackend):
             explicitly_destroy=True,
         )
         logger.info(
-            "Built DeepEP ElasticBuffer: %d ranks, %d bytes, T_max=%d, hidden=%d, top-k=%d, fp8=%s, "
-            "deterministic=%s, hybrid=%s",
+            "Built DeepEP %s %s: %d ranks, %d bytes, T_max=%d, hidden=%d, top-k=%d, fp8=%s, deterministic=%s, hybrid=%s",
+            self.line_calls.line.name,
+            self.line_calls.line.buffer_class,
             self.group_size,
             self.buffer.num_bytes,
             spec.num_max_tokens_per_rank,
@@ -295,13 +340,14 @@ class DeepEPBackend(DispatchBackend):
             num_experts=num_experts,
             num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
             expert_alignment=expert_alignment,
-            num_sms=self.spec.num_sms,
+            num_sms=self.num_sms,
             previous_event=previous_event if allocate_on_comm_stream else None,
             async_with_compute_stream=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
             do_expand=expand,
             do_zero_padding=zero_padding and expand,
             do_cpu_sync=host_sync,
+            **self._dispatch_kwargs,
         )
         # The device-side counts are derived from prefix sums the dispatch kernels write on the communication
         # stream: order the current stream after them first (in async mode they may still be running; reading
@@ -356,6 +402,7 @@ class DeepEPBackend(DispatchBackend):
             handle=native,
             do_expand=expand,
             do_zero_padding=expand,  # padding rows of a gradient must be zero
+            **self._dispatch_kwargs,
         )
         return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle,
                               self._event(event, async_finish))

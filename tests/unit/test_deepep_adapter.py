@@ -1,6 +1,8 @@
-"""The DeepEP adapter's plumbing, on CPU, against a strict stand-in for ``deep_ep.ElasticBuffer``.
+"""The DeepEP adapter's plumbing, on CPU, against strict stand-ins for ``deep_ep.ElasticBuffer`` (2.1) and
+``deep_ep.EPBuffer`` (V2.5, written from DeepEP's ``deep_ep/buffers/ep.py``: exact signatures, ``do_handle_copy``
+must be False, ``topk_idx`` version-checked by the handle, even SM counts, ``defer_epilogue`` only in async mode).
 
-The stand-in enforces the host-side rules of DeepEP 2.1.0 that the adapter must respect (cached dispatch
+The 2.1 stand-in enforces the host-side rules of DeepEP 2.1.0 that the adapter must respect (cached dispatch
 needs ``num_sms`` and no ``topk_idx``; ``previous_event`` only with ``allocate_on_comm_stream``; zero padding
 only with expand; events waited only in async mode; explicit destroy; torch's deterministic algorithms never
 together with ``fill_uninitialized_memory``) and computes its results with a dense oracle of DeepEP's
@@ -130,24 +132,124 @@ class FakeElasticBuffer:
         self.exchange = None  # ElasticBuffer.destroy frees the buffer: any later use of it fails
 
 
-def _install_fake() -> None:
+class _EPHandleV25(_Handle):
+    """V2.5's EPHandle: keeps ``topk_idx`` by reference and asserts it was not modified while in use."""
+
+    def __init__(self, plan, do_expand, num_sms, do_cpu_sync, topk_idx, num_experts, alignment, capacity) -> None:
+        super().__init__(plan, do_expand, num_sms, do_cpu_sync)
+        self.num_experts, self.expert_alignment, self.num_max_tokens_per_rank = num_experts, alignment, capacity
+        self._topk_idx, self._topk_idx_version = topk_idx, topk_idx._version
+
+    @property
+    def topk_idx(self):
+        assert self._topk_idx._version == self._topk_idx_version, \
+            "`topk_idx` must not be modified while the EP handle is in use"
+        return self._topk_idx
+
+
+class FakeEPBuffer:
+    """DeepEP V2.5's ``EPBuffer``: its exact signatures (no ``**kwargs``) and host-side assertions."""
+
+    calls: list = []
+
+    def __init__(self, group, num_bytes=None, num_max_tokens_per_rank=0, hidden=0, num_topk=0,
+                 use_fp8_dispatch=False, lb_allocation_plan_or_num_bytes=0, deterministic=False,
+                 allow_hybrid_mode=True, allow_multiple_reduction=True, prefer_overlap_with_compute=True,
+                 sl_idx=None, num_allocated_qps=0, num_cpu_timeout_secs=300, num_gpu_timeout_secs=100,
+                 explicitly_destroy=False) -> None:
+        assert allow_multiple_reduction and explicitly_destroy
+        self.num_bytes = 1 << 21
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.ctor = dict(allow_hybrid_mode=allow_hybrid_mode, deterministic=deterministic, T=num_max_tokens_per_rank)
+        self.exchange = DenseExchange(group, num_max_tokens_per_rank)
+        self.destroyed = False
+
+    @staticmethod
+    def capture():
+        return "event-handle"
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
+                 num_experts=None, num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0,
+                 previous_event=None, async_with_compute_stream=False, allocate_on_comm_stream=False, handle=None,
+                 do_handle_copy=False, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
+                 use_tma_aligned_col_major_sf=False, defer_epilogue=False):
+        assert not do_handle_copy, "`do_handle_copy` must be False; handle copying is no longer supported"
+        _check_torch_deterministic()
+        assert not defer_epilogue or async_with_compute_stream, "defer_epilogue requires async_with_compute_stream"
+        if previous_event is not None:
+            assert allocate_on_comm_stream, "previous_event requires allocate_on_comm_stream (host assert)"
+        FakeEPBuffer.calls.append(dict(op="dispatch", cached=handle is not None, num_sms=num_sms, do_expand=do_expand,
+                                       zero=do_zero_padding, prev=previous_event, alloc=allocate_on_comm_stream,
+                                       async_=async_with_compute_stream))
+        assert not do_zero_padding or do_expand, "do_zero_padding needs do_expand"
+        if handle is not None:
+            assert topk_idx is None
+            assert do_cpu_sync is None or not do_cpu_sync, "Cannot do CPU sync with cached handle"
+            handle.topk_idx  # the version check of every cached dispatch
+            given = (num_experts or handle.num_experts, expert_alignment or handle.expert_alignment,
+                     num_max_tokens_per_rank or handle.num_max_tokens_per_rank)
+            assert given == (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
+            recv_x, recv_weights = self.exchange.cached_dispatch(x, handle.plan, topk_weights)
+            recv_idx = None if do_expand else FakeElasticBuffer._local_idx(handle.plan)
+            return recv_x, recv_idx, recv_weights, handle, _EventOverlap(async_with_compute_stream, [])
+        num_sms = num_sms + num_sms % 2  # align(num_sms, 2)
+        capacity = num_max_tokens_per_rank or self.num_max_tokens_per_rank
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        alignment = expert_alignment or 1
+        recv_x, recv_idx, recv_weights, plan = self.exchange.dispatch(
+            x, topk_idx, topk_weights, num_experts=num_experts, expand=do_expand, alignment=alignment,
+            cpu_sync=do_cpu_sync)
+        ep_handle = _EPHandleV25(plan, do_expand, num_sms or 20, do_cpu_sync, topk_idx, num_experts, alignment,
+                                 capacity)
+        if not do_cpu_sync:
+            tail = torch.arange(plan.num_recv_rows) >= ep_handle.num_valid_rows
+            if recv_idx is not None:
+                recv_idx[tail] = 1
+            if recv_weights is not None:
+                recv_weights[tail] = 123.0
+        return recv_x, recv_idx, recv_weights, ep_handle, _EventOverlap(async_with_compute_stream, [])
+
+    def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
+                async_with_compute_stream=False, allocate_on_comm_stream=False, defer_epilogue=False):
+        _check_torch_deterministic()
+        assert not defer_epilogue or async_with_compute_stream, "defer_epilogue requires async_with_compute_stream"
+        if previous_event is not None:
+            assert allocate_on_comm_stream, "previous_event requires allocate_on_comm_stream (host assert)"
+        handle.topk_idx  # combine reads the handle's topk_idx
+        FakeEPBuffer.calls.append(dict(op="combine", num_sms=num_sms, prev=previous_event,
+                                       alloc=allocate_on_comm_stream, async_=async_with_compute_stream))
+        combined, combined_weights = self.exchange.combine(x, handle.plan, topk_weights)
+        return combined, combined_weights, _EventOverlap(async_with_compute_stream, [])
+
+    def destroy(self) -> None:
+        self.destroyed = True
+        self.exchange = None
+
+
+#: The stand-in of each DeepEP line: the buffer class and the module attribute it is exported as.
+STAND_INS = {"2.1": ("ElasticBuffer", FakeElasticBuffer), "V2.5": ("EPBuffer", FakeEPBuffer)}
+
+
+def _install_fake(line: str = "2.1") -> None:
+    name, cls = STAND_INS[line]
     module = types.ModuleType("deep_ep")
-    module.ElasticBuffer = FakeElasticBuffer
-    module.__version__ = "2.1.0-fake"
+    setattr(module, name, cls)
+    module.__version__ = "2.5.0-fake" if line == "V2.5" else "2.1.0-fake"
     sys.modules["deep_ep"] = module
 
 
-def use_stand_in_backend() -> None:
-    """Makes ``backend="deepep"`` run the adapter over the stand-in, on CPU tensors of any dtype (call in a rank)."""
+def use_stand_in_backend(line: str = "2.1") -> None:
+    """Makes ``backend="deepep"`` run the adapter over a line's stand-in, on CPU tensors of any dtype (in a rank)."""
     from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend
 
-    _install_fake()
+    _install_fake(line)
     DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
     DeepEPBackend.limits = ReferenceBackend.limits
 
 
-def _adapter_worker(rank: int, world: int) -> None:
-    _install_fake()
+def _adapter_worker(rank: int, world: int, line: str) -> None:
+    _install_fake(line)
+    stand_in = STAND_INS[line][1]
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
 
@@ -156,8 +258,10 @@ def _adapter_worker(rank: int, world: int) -> None:
     derived = []  # one entry per derivation of device counts from DeepEP's prefix sums
     count_from_psum = adapter.aligned_counts_from_psum
     adapter.aligned_counts_from_psum = lambda *a, **k: derived.append(1) or count_from_psum(*a, **k)
-    spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=32, num_sms=24)
+    spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=32, num_sms=23)
+    sms = 24 if line == "V2.5" else 23  # V2.5 runs an even count; the backend rounds it itself
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    assert isinstance(backend.buffer, stand_in) and backend.num_sms == sms
     assert backend.buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
     problem = make_problem(41, [7, 0, 5, 9][:world], 8, 8, 3, dtype=torch.float32)
     rows = problem.rows(rank)
@@ -187,26 +291,34 @@ def _adapter_worker(rank: int, world: int) -> None:
         cached = backend.cached_dispatch(problem.grad_out[rows], got.handle)
         assert torch.equal(cached.recv_x, reference.cached_dispatch(problem.grad_out[rows], want.handle).recv_x)
         # The autograd op with DeepEP's stream flags: previous event passed, async events waited.
-        FakeElasticBuffer.calls.clear()
+        stand_in.calls.clear()
         xg = x.clone().requires_grad_()
         config = ops.DispatchConfig(backend=DeepEPBackend, layout=layout, expert_alignment=4,
                                     zero_padding=layout is ExpertLayout.EXPAND, host_sync=host_sync)
         out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, config, (True, True))
         y = ops._CombineFunction.apply(out[0], out[-1], True, True)
         y.sum().backward()
-        for call in FakeElasticBuffer.calls:
+        for call in stand_in.calls:
             assert call["prev"] == "event-handle" and call["alloc"]
-        cached_calls = [c for c in FakeElasticBuffer.calls if c.get("cached")]
-        assert cached_calls and all(c["num_sms"] == 24 and c["do_expand"] == (layout is ExpertLayout.EXPAND)
+            assert call["num_sms"] == sms, call
+        cached_calls = [c for c in stand_in.calls if c.get("cached")]
+        assert cached_calls and all(c["do_expand"] == (layout is ExpertLayout.EXPAND)
                                     and c["zero"] == (layout is ExpertLayout.EXPAND) for c in cached_calls)
+    # FP8 pairs pass through as pairs, bytes unchanged.
+    fp8 = (x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], 2, generator=torch.Generator().manual_seed(rank)))
+    kwargs = dict(num_experts=8, layout=ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)
+    got, want = backend.dispatch(fp8, idx, w, **kwargs), reference.dispatch(fp8, idx, w, **kwargs)
+    assert isinstance(got.recv_x, tuple) and got.recv_x[0].dtype == torch.float8_e4m3fn
+    assert torch.equal(got.recv_x[0].view(torch.uint8), want.recv_x[0].view(torch.uint8))
+    assert torch.equal(got.recv_x[1], want.recv_x[1])
     backend.destroy()
     assert backend.buffer is None
 
 
-def _deterministic_algorithms_worker(rank: int, world: int) -> None:
+def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     """Megatron's --deterministic-mode turns on torch's deterministic algorithms with the fill left on (torch's
     default): every adapter call must still pass DeepEP's check, and the user's setting must come back."""
-    _install_fake()
+    _install_fake(line)
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
 
@@ -234,8 +346,9 @@ def _deterministic_algorithms_worker(rank: int, world: int) -> None:
     backend.destroy()
 
 
-def test_adapter_passes_deepeps_determinism_check_under_deterministic_algorithms() -> None:
-    run_distributed(_deterministic_algorithms_worker, 2, env={"LOCAL_WORLD_SIZE": "2"})
+@pytest.mark.parametrize("line", list(STAND_INS))
+def test_adapter_passes_deepeps_determinism_check_under_deterministic_algorithms(line: str) -> None:
+    run_distributed(_deterministic_algorithms_worker, 2, line, env={"LOCAL_WORLD_SIZE": "2"})
 
 
 def group_of():
@@ -244,8 +357,9 @@ def group_of():
     return dist.group.WORLD
 
 
-def test_adapter_plumbing_against_strict_stand_in() -> None:
-    run_distributed(_adapter_worker, 4, env={"LOCAL_WORLD_SIZE": "4"})
+@pytest.mark.parametrize("line", list(STAND_INS))
+def test_adapter_plumbing_against_strict_stand_in(line: str) -> None:
+    run_distributed(_adapter_worker, 4, line, env={"LOCAL_WORLD_SIZE": "4"})
 
 
 def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,5 +369,5 @@ def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.Monke
     v1.__version__ = "1.2.1"
     v1.Buffer = object
     monkeypatch.setitem(sys.modules, "deep_ep", v1)
-    with pytest.raises(ImportError, match="deep_ep 1.2.1 .* has Buffer but no ElasticBuffer: it is DeepEP v1"):
+    with pytest.raises(ImportError, match="deep_ep 1.2.1 .* has Buffer but neither ElasticBuffer .* it is DeepEP v1"):
         import_deep_ep()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 import megatron_deepepv2 as dv2
@@ -32,18 +33,19 @@ def _run_once(problem, rank: int, world: int, **flags):
     return y.detach(), x.grad, w.grad
 
 
-def _variants(rank: int, world: int) -> None:
-    from tests.unit.test_deepep_adapter import FakeElasticBuffer, use_stand_in_backend
+def _variants(rank: int, world: int, line: str) -> None:
+    from tests.unit.test_deepep_adapter import STAND_INS, use_stand_in_backend
 
-    use_stand_in_backend()
+    use_stand_in_backend(line)
+    stand_in = STAND_INS[line][1]
     dv2.configure(validate=False)
     problem = make_problem(11, [5, 7, 0, 4][:world], 8, 8, 2)
     rows = problem.rows(rank)
     dense = dense_step(problem)
     for async_finish, allocate in itertools.product([False, True], repeat=2):
-        FakeElasticBuffer.calls.clear()
+        stand_in.calls.clear()
         y, x_grad, w_grad = _run_once(problem, rank, world, async_finish=async_finish, allocate_on_comm_stream=allocate)
-        calls = FakeElasticBuffer.calls
+        calls = stand_in.calls
         assert {c["op"] for c in calls} == {"dispatch", "combine"} and len(calls) == 4  # forward and backward
         assert all(c["async_"] is async_finish and c["alloc"] is allocate for c in calls), calls
         assert all(c["prev"] == ("event-handle" if allocate else None) for c in calls), calls
@@ -53,5 +55,6 @@ def _variants(rank: int, world: int) -> None:
         torch.testing.assert_close(w_grad, dense.weights_grad[rows].double(), rtol=1e-5, atol=1e-5, msg=tag)
 
 
-def test_async_and_comm_stream_flags_reach_deepep_and_change_no_result() -> None:
-    run_distributed(_variants, 4, env={"LOCAL_WORLD_SIZE": "4"})
+@pytest.mark.parametrize("line", ["2.1", "V2.5"])
+def test_async_and_comm_stream_flags_reach_deepep_and_change_no_result(line: str) -> None:
+    run_distributed(_variants, 4, line, env={"LOCAL_WORLD_SIZE": "4"})

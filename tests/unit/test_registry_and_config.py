@@ -99,9 +99,8 @@ def test_configure_and_override() -> None:
 @pytest.mark.parametrize(
     ("exports", "phrase"),
     [
-        ({"EPBuffer": object, "__version__": "2.5.0"}, "deep_ep 2.5.0 (from "),
-        ({"EPBuffer": object}, "is DeepEP V2.5: it provides EPBuffer"),
-        ({"Buffer": object, "__version__": "1.2.1"}, "has Buffer but no ElasticBuffer: it is DeepEP v1"),
+        ({"Buffer": object, "__version__": "1.2.1"}, "deep_ep 1.2.1 (from "),
+        ({"Buffer": object}, "has Buffer but neither ElasticBuffer (DeepEP 2.1) nor EPBuffer (V2.5): it is DeepEP v1"),
         ({"HybridEPBuffer": object}, "exports ['HybridEPBuffer']"),
     ],
 )
@@ -118,3 +117,14 @@ def test_import_deep_ep_names_the_deepep_line_it_found(monkeypatch: pytest.Monke
         import_deep_ep()
     assert phrase in str(info.value), str(info.value)
     assert "MEGATRON_DEEPEPV2_BACKEND=reference" in str(info.value)
+
+
+@pytest.mark.parametrize("buffer", ["EPBuffer", "ElasticBuffer"])
+def test_import_deep_ep_accepts_both_deepep_v2_lines(monkeypatch: pytest.MonkeyPatch, buffer: str) -> None:
+    import sys
+    import types
+
+    module = types.ModuleType("deep_ep")
+    setattr(module, buffer, object)
+    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    assert import_deep_ep() is module
