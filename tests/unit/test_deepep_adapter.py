@@ -55,15 +55,14 @@ class _EventOverlap:
         self.log.append("wait")
 
 
-class FakeElasticBuffer:
-    calls: list = []
+class _DenseStandIn:
+    """What both stand-ins share: the dense exchange, the recorded constructor, events, destroy."""
 
-    def __init__(self, group, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False,
-                 deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True, explicitly_destroy=False,
-                 **unknown) -> None:
-        assert not unknown, unknown
+    def _setup(self, group, num_max_tokens_per_rank, allow_hybrid_mode, deterministic, allow_multiple_reduction,
+               explicitly_destroy) -> None:
         assert allow_multiple_reduction and explicitly_destroy
         self.num_bytes = 1 << 21
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.ctor = dict(allow_hybrid_mode=allow_hybrid_mode, deterministic=deterministic, T=num_max_tokens_per_rank)
         self.exchange = DenseExchange(group, num_max_tokens_per_rank)
         self.destroyed = False
@@ -71,6 +70,30 @@ class FakeElasticBuffer:
     @staticmethod
     def capture():
         return "event-handle"
+
+    @staticmethod
+    def _garbage_past_valid_rows(recv_idx, recv_weights, plan, handle) -> None:
+        """DeepEP leaves rows past the valid extent uninitialised without CPU sync: make them garbage."""
+        tail = torch.arange(plan.num_recv_rows) >= handle.num_valid_rows
+        if recv_idx is not None:
+            recv_idx[tail] = 1
+        if recv_weights is not None:
+            recv_weights[tail] = 123.0
+
+    def destroy(self) -> None:
+        self.destroyed = True
+        self.exchange = None  # destroy() frees the buffer: any later use of it fails
+
+
+class FakeElasticBuffer(_DenseStandIn):
+    calls: list = []
+
+    def __init__(self, group, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False,
+                 deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True, explicitly_destroy=False,
+                 **unknown) -> None:
+        assert not unknown, unknown
+        self._setup(group, num_max_tokens_per_rank, allow_hybrid_mode, deterministic, allow_multiple_reduction,
+                    explicitly_destroy)
 
     def _check_common(self, previous_event, allocate_on_comm_stream, kwargs):
         if previous_event is not None:
@@ -104,12 +127,8 @@ class FakeElasticBuffer:
             x, topk_idx, topk_weights, num_experts=num_experts, expand=do_expand, alignment=expert_alignment,
             cpu_sync=do_cpu_sync)
         ep_handle = _Handle(plan, do_expand, num_sms or 20, do_cpu_sync)
-        if not do_cpu_sync:  # DeepEP leaves rows past the valid extent uninitialised: make them garbage
-            tail = torch.arange(plan.num_recv_rows) >= ep_handle.num_valid_rows
-            if recv_idx is not None:
-                recv_idx[tail] = 1
-            if recv_weights is not None:
-                recv_weights[tail] = 123.0
+        if not do_cpu_sync:
+            self._garbage_past_valid_rows(recv_idx, recv_weights, plan, ep_handle)
         return recv_x, recv_idx, recv_weights, ep_handle, _EventOverlap(async_with_compute_stream, log)
 
     @staticmethod
@@ -127,10 +146,6 @@ class FakeElasticBuffer:
         combined, combined_weights = self.exchange.combine(x, handle.plan, topk_weights)
         return combined, combined_weights, _EventOverlap(async_with_compute_stream, [])
 
-    def destroy(self) -> None:
-        self.destroyed = True
-        self.exchange = None  # ElasticBuffer.destroy frees the buffer: any later use of it fails
-
 
 class _EPHandleV25(_Handle):
     """V2.5's EPHandle: keeps ``topk_idx`` by reference and asserts it was not modified while in use."""
@@ -147,7 +162,7 @@ class _EPHandleV25(_Handle):
         return self._topk_idx
 
 
-class FakeEPBuffer:
+class FakeEPBuffer(_DenseStandIn):
     """DeepEP V2.5's ``EPBuffer``: its exact signatures (no ``**kwargs``) and host-side assertions."""
 
     calls: list = []
@@ -157,16 +172,8 @@ class FakeEPBuffer:
                  allow_hybrid_mode=True, allow_multiple_reduction=True, prefer_overlap_with_compute=True,
                  sl_idx=None, num_allocated_qps=0, num_cpu_timeout_secs=300, num_gpu_timeout_secs=100,
                  explicitly_destroy=False) -> None:
-        assert allow_multiple_reduction and explicitly_destroy
-        self.num_bytes = 1 << 21
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.ctor = dict(allow_hybrid_mode=allow_hybrid_mode, deterministic=deterministic, T=num_max_tokens_per_rank)
-        self.exchange = DenseExchange(group, num_max_tokens_per_rank)
-        self.destroyed = False
-
-    @staticmethod
-    def capture():
-        return "event-handle"
+        self._setup(group, num_max_tokens_per_rank, allow_hybrid_mode, deterministic, allow_multiple_reduction,
+                    explicitly_destroy)
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None,
                  num_experts=None, num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0,
@@ -202,11 +209,7 @@ class FakeEPBuffer:
         ep_handle = _EPHandleV25(plan, do_expand, num_sms or 20, do_cpu_sync, topk_idx, num_experts, alignment,
                                  capacity)
         if not do_cpu_sync:
-            tail = torch.arange(plan.num_recv_rows) >= ep_handle.num_valid_rows
-            if recv_idx is not None:
-                recv_idx[tail] = 1
-            if recv_weights is not None:
-                recv_weights[tail] = 123.0
+            self._garbage_past_valid_rows(recv_idx, recv_weights, plan, ep_handle)
         return recv_x, recv_idx, recv_weights, ep_handle, _EventOverlap(async_with_compute_stream, [])
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
@@ -220,10 +223,6 @@ class FakeEPBuffer:
                                        alloc=allocate_on_comm_stream, async_=async_with_compute_stream))
         combined, combined_weights = self.exchange.combine(x, handle.plan, topk_weights)
         return combined, combined_weights, _EventOverlap(async_with_compute_stream, [])
-
-    def destroy(self) -> None:
-        self.destroyed = True
-        self.exchange = None
 
 
 #: The stand-in of each DeepEP line: the buffer class and the module attribute it is exported as.
