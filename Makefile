@@ -2,7 +2,10 @@
 # Both create .venv with Python 3.12 when it is missing and install the package into it.
 
 PYTHON ?= python3.12
-VENV := .venv
+# An existing environment can stand in for .venv (e.g. the image's on a GPU machine without a package registry):
+#   make test VENV=/opt/torch/.venv PIP_ARGS="--no-index --no-deps --no-build-isolation"
+VENV ?= .venv
+PIP_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
@@ -23,8 +26,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.12 (pyenv: 'pyenv install 3.12')" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-cache-dir -e '.[test]'
+	$(PY) -m pip install --quiet --upgrade pip $(PIP_ARGS)
+	$(PY) -m pip install --quiet --no-cache-dir $(PIP_ARGS) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -56,4 +59,4 @@ test-native: $(STAMP)
 	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q $(COMPAT_TESTS)
 
 clean:
-	rm -rf $(VENV) $(COMPAT_DIR) build *.egg-info
+	rm -rf .venv $(COMPAT_DIR) build *.egg-info  # never an environment given as VENV=

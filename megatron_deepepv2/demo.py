@@ -173,6 +173,10 @@ def main(argv=None) -> int:
     if on_gpu:
         config.tolerance = 5e-2  # BF16 activations; dispatch orders differ between the two paths
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not on_gpu:
+        # The CPU ranks must not see a GPU (fewer GPUs than processes, or --cpu): Megatron would place parameters
+        # on it, and the CPU shims step aside where CUDA is visible. Spawned ranks inherit this.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         mp.spawn(_worker, args=(config.nproc, _free_port(), config, on_gpu), nprocs=config.nproc, join=True)
     except mp.ProcessExitedException as error:

@@ -37,6 +37,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
+    # CPU ranks: hide any GPU before CUDA initialises, or Megatron would place parameters on it (the CPU shims
+    # step aside where CUDA is visible). A test can still pass its own CUDA_VISIBLE_DEVICES in env.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(env)
     import torch
     import torch.distributed as dist
