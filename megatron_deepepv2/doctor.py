@@ -86,6 +86,11 @@ def elf_needed_libraries(path: str) -> list[str]:
     return needed
 
 
+def links_libstdcxx_dynamically(needed: list[str]) -> bool:
+    """Whether ELF ``NEEDED`` entries include the shared libstdc++ (a static copy crashes DeepEP's ``std::regex``)."""
+    return any(lib.startswith("libstdc++.so") for lib in needed)
+
+
 def _default_nccl_version() -> Optional[tuple[int, ...]]:
     import torch  # noqa: F401,PLC0415 - loads torch's libnccl before asking it
 
@@ -157,7 +162,8 @@ def find_nvcc(env: dict[str, str]) -> Optional[str]:
     return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
 
 
-def _default_nvcc_version(nvcc: str) -> Optional[Version]:
+def nvcc_version(nvcc: str) -> Optional[Version]:
+    """``(major, minor)`` of an nvcc, from ``nvcc --version`` (None when it does not run)."""
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=False).stdout
     except (OSError, subprocess.SubprocessError):
@@ -201,7 +207,7 @@ class Probes:
     deep_ep: Callable[[], dict[str, Any]] = _default_deep_ep
     needed_libraries: Callable[[str], list[str]] = elf_needed_libraries
     nvcc_path: Callable[[dict[str, str]], Optional[str]] = find_nvcc
-    nvcc_version: Callable[[str], Optional[Version]] = _default_nvcc_version
+    nvcc_version: Callable[[str], Optional[Version]] = nvcc_version
     driver_cuda: Callable[[], Optional[Version]] = _default_driver_cuda
     writable_dir: Callable[[str], bool] = _writable_dir
     nvlink: Callable[[], Optional[bool]] = _default_nvlink
@@ -233,7 +239,7 @@ def _check_deep_ep(p: Probes, deep_ep: dict[str, Any], add: Callable[[Finding], 
         except (OSError, ValueError) as error:
             add(Finding("libstdc++-linkage", WARN, f"cannot read {extension}: {error}"))
         else:
-            dynamic = any(lib.startswith("libstdc++.so") for lib in needed)
+            dynamic = links_libstdcxx_dynamically(needed)
             add(Finding("libstdc++-linkage", OK if dynamic else FAIL,
                         f"{os.path.basename(extension)} NEEDED: {', '.join(needed)}",
                         "" if dynamic else "deep_ep._C has libstdc++ linked statically and will crash inside "

@@ -51,11 +51,10 @@ from megatron_deepepv2.deepep_lines import (
     DeepEPLine,
     Version,
     line_of_source_tree,
-    parse_version,
     source_tree_version,
     version_text,
 )
-from megatron_deepepv2.doctor import elf_needed_libraries, find_nvcc
+from megatron_deepepv2.doctor import elf_needed_libraries, find_nvcc, links_libstdcxx_dynamically, nvcc_version
 
 logger = logging.getLogger("megatron_deepepv2.install_deepep")
 
@@ -152,15 +151,6 @@ def _gpu_arch() -> Optional[str]:
     return f"{major}{minor}"
 
 
-def _nvcc_version(nvcc: str) -> Optional[Version]:
-    try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"release (\d+)\.(\d+)", out)
-    return (int(found.group(1)), int(found.group(2))) if found else None
-
-
 def _distribution(name: str) -> Optional[dict[str, Any]]:
     """Version and files of an installed distribution (None when absent)."""
     from importlib import metadata  # noqa: PLC0415
@@ -204,17 +194,12 @@ class System:
     probe_python: Callable[[str, bool, dict[str, str]], dict[str, Any]] = _probe_python
     gpu_arch: Callable[[], Optional[str]] = _gpu_arch
     find_nvcc: Callable[[dict[str, str]], Optional[str]] = find_nvcc
-    nvcc_version: Callable[[str], Optional[Version]] = _nvcc_version
+    nvcc_version: Callable[[str], Optional[Version]] = nvcc_version
     needed_libraries: Callable[[str], list[str]] = elf_needed_libraries
     distribution: Callable[[str], Optional[dict[str, Any]]] = _distribution
     has_distribution_like: Callable[[str], bool] = _has_distribution_like
     which: Callable[[str], Optional[str]] = shutil.which
     site_packages: Callable[[], str] = lambda: sysconfig.get_paths()["purelib"]
-
-
-def links_libstdcxx_dynamically(needed: list[str]) -> bool:
-    """Whether ELF ``NEEDED`` entries include the shared libstdc++."""
-    return any(lib.startswith("libstdc++.so") for lib in needed)
 
 
 def nccl_source_version(path: str) -> Version:

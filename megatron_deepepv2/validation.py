@@ -195,15 +195,13 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Excep
     """
     if topk_idx.numel() == 0:
         return None
-    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    out_of_range, duplicate = _bad_id_masks(topk_idx, num_experts)
     if bool(out_of_range.any()):
         token = int(out_of_range.any(dim=1).nonzero()[0, 0])
         return ValueError(
             f"topk_idx holds expert ids outside [-1, {num_experts}): token {token} has "
             f"{topk_idx[token].tolist()}. Use -1 for 'no expert'."
         )
-    ordered = torch.sort(topk_idx, dim=1).values
-    duplicate = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     if bool(duplicate.any()):
         token = int(duplicate.any(dim=1).nonzero()[0, 0])
         return ValueError(
@@ -211,6 +209,20 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Excep
             "token must select distinct experts (DeepEP turns this into a device-side assert)."
         )
     return None
+
+
+def _bad_id_masks(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, K]`` ids outside ``[-1, num_experts)`` and ``[T, K-1]`` repeats of an expert in a row (tensor ops)."""
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    ordered = torch.sort(topk_idx, dim=1).values
+    duplicate = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    return out_of_range, duplicate
+
+
+def _any_bad_id(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """0-dim bool: whether ``topk_idx`` holds a bad id, computed on its device without a host read."""
+    out_of_range, duplicate = _bad_id_masks(topk_idx, num_experts)
+    return out_of_range.any() | duplicate.any()
 
 
 _BAD_IDS_MESSAGE = (
@@ -255,10 +267,7 @@ def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Te
         _check_expert_ids_kernel[(triton.cdiv(num_tokens, block_t),)](
             topk_idx, ok, num_tokens, num_experts, K=num_topk, K_PAD=k_pad, BLOCK_T=block_t)
     else:  # pragma: no cover - CUDA builds of PyTorch ship Triton
-        ordered = torch.sort(topk_idx, dim=1).values
-        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any() | (
-            (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
-        ok.mul_((~bad).to(torch.int32))
+        ok.mul_((~_any_bad_id(topk_idx, num_experts)).to(torch.int32))
 
 
 def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
@@ -282,11 +291,8 @@ def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
     if num_tokens == 0:
         return
     if not topk_idx.is_cuda:
-        ordered = torch.sort(topk_idx, dim=1).values
-        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any() | (
-            (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
         try:
-            torch._assert_async(~bad, _BAD_IDS_MESSAGE)
+            torch._assert_async(~_any_bad_id(topk_idx, num_experts), _BAD_IDS_MESSAGE)
         except RuntimeError as error:
             if group is not None:
                 announce_failure(group, error)

@@ -103,15 +103,13 @@ def measure(args) -> dict:
         def host_check():
             check_expert_ids(idx, num_experts)
 
-        ok = validation._ok_flags[idx.device] if idx.device in validation._ok_flags else None
-
         def kernel_only():
             validation.clear_flag_on_bad_ids(idx, num_experts, ok)
 
         def assert_only():
             torch._assert_async(ok, "bench")
 
-        device_check()
+        device_check()  # creates the per-device flag the parts below use
         ok = validation._ok_flags[idx.device]
         for fn in (static_checks, device_check, host_check, kernel_only, assert_only):
             fn()
