@@ -19,6 +19,9 @@ from typing import Any, Callable
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron_deepepv2"])
+# Ranks that use the GPU start from a fresh interpreter: CUDA state must not be inherited through a fork.
+_CUDA_CONTEXT = mp.get_context("spawn")
+_forkserver_hides_gpus = False
 
 
 _INIT_FAILED = "process-group initialisation failed:\n"
@@ -36,10 +39,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _cpu_context() -> Any:
+    """The forkserver context for CPU ranks, its server started with every GPU hidden.
+
+    The server imports torch before it forks ranks, and CUDA caches the device count process-wide once anything
+    asks for it; hiding the GPUs in a rank after the fork would leave torch half-sure a GPU is there. Hidden from
+    the server on, CPU ranks see no GPU at all, consistently (else Megatron places parameters on it and the CPU
+    shims step aside).
+    """
+    global _forkserver_hides_gpus
+    if not _forkserver_hides_gpus:
+        from multiprocessing import forkserver
+
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        _forkserver_hides_gpus = True
+    return _CONTEXT
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
-    # CPU ranks: hide any GPU before CUDA initialises, or Megatron would place parameters on it (the CPU shims
-    # step aside where CUDA is visible). A test can still pass its own CUDA_VISIBLE_DEVICES in env.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -78,7 +103,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None, cuda: bool = False
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -88,6 +113,8 @@ def run_distributed(
         *args: Extra picklable arguments.
         timeout: Seconds before the run is declared hung and killed.
         env: Environment variables to set in every rank.
+        cuda: Whether the ranks may use the GPU. CPU ranks (the default) see no GPU; CUDA ranks start from a
+            fresh interpreter (a few seconds more) and see the GPUs the test process sees.
 
     Returns:
         The return values, indexed by rank.
@@ -97,7 +124,7 @@ def run_distributed(
             process-group start (a port taken between choosing and binding it) is retried with a new port.
     """
     for attempt in range(_INIT_ATTEMPTS):
-        outcomes = _run_once(fn, world_size, args, timeout, env)
+        outcomes = _run_once(fn, world_size, args, timeout, env, cuda)
         init_failed = any(not ok and str(v).startswith(_INIT_FAILED) for ok, v in outcomes.values())
         if not init_failed or attempt == _INIT_ATTEMPTS - 1:
             break
@@ -108,11 +135,14 @@ def run_distributed(
     return [outcomes[r][1] for r in range(world_size)]
 
 
-def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict | None) -> dict[int, tuple[bool, Any]]:
+def _run_once(
+    fn: Callable, world_size: int, args: tuple, timeout: float, env: dict | None, cuda: bool
+) -> dict[int, tuple[bool, Any]]:
+    context = _CUDA_CONTEXT if cuda else _cpu_context()
     port = free_port()
-    results = _CONTEXT.Queue()
+    results = context.Queue()
     procs = [
-        _CONTEXT.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(env or {})))
+        context.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(env or {})))
         for r in range(world_size)
     ]
     for proc in procs:

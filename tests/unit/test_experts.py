@@ -121,7 +121,7 @@ def _compare_case(rank: int, world: int, activation: str, dtype: torch.dtype, de
 def test_matches_sequential_mlp_with_host_counts(activation: str, device: str) -> None:
     _require(device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    run_distributed(_compare_case, 1, activation, dtype, device, True, 0)
+    run_distributed(_compare_case, 1, activation, dtype, device, True, 0, cuda=device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -129,7 +129,7 @@ def test_matches_sequential_mlp_with_host_counts(activation: str, device: str) -
 def test_worst_case_tail_is_neither_read_nor_left_nonzero(activation: str, device: str) -> None:
     _require(device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    run_distributed(_compare_case, 1, activation, dtype, device, False, TAIL)
+    run_distributed(_compare_case, 1, activation, dtype, device, False, TAIL, cuda=device == "cuda")
 
 
 def test_bfloat16_on_cpu_matches_sequential_mlp() -> None:
