@@ -9,7 +9,8 @@ created on ``torch.cuda.current_device()``, device-to-host split conversion). On
   (everything on CPU is already ordered);
 * ``moe_utils.maybe_move_tensor_to_cpu`` also converts CPU split tensors to numpy, as it does for CUDA
   tensors, because ``all_to_all_single`` takes split sizes as lists, not tensors;
-* ``torch.compile`` of Megatron's ``@jit_fuser`` functions is disabled (no inductor C++ build per test).
+* ``torch.compile`` of Megatron's ``@jit_fuser`` functions is disabled (no inductor C++ build per test);
+* the model-parallel CUDA RNG tracker's ``fork()`` (attention, dropout) forks the CPU generator instead.
 
 With CUDA available it does nothing. It is never used on the library path.
 """
@@ -101,4 +102,13 @@ def install_cpu_shims() -> None:
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    from megatron.core.tensor_parallel import random as tp_random  # noqa: PLC0415
+
+    @contextlib.contextmanager
+    def fork_cpu_rng(self, name=None):
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+    tp_random.CudaRNGStatesTracker.fork = fork_cpu_rng
     _installed = True

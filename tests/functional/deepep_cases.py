@@ -229,6 +229,20 @@ def moe_layer_matches_alltoall() -> None:
 
 
 @case
+def ep_overlap_combined_1f1b_matches_alltoall() -> None:
+    """overlap_moe_expert_parallel_comm: Megatron's combined 1F1B schedule (forward of one micro-batch interleaved
+    with the backward of the previous, dispatch and combine on Megatron's communication stream) over ElasticBuffer,
+    both layouts, vs plain forward + backward steps through the alltoall dispatcher: losses and every gradient."""
+    from tests.unit.test_ep_overlap import GPU_SHAPE, compare_overlap_with_alltoall
+
+    dv2.install()
+    for layout in ("expand", "compact"):
+        dv2.configure(layout=layout, backend="deepep")
+        compare_overlap_with_alltoall(RANK, GPU_SHAPE)
+    dv2.destroy_buffers()
+
+
+@case
 def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
     """GPU replay: deepepv2 MoELayer, ElasticBuffer deterministic mode, 3 replays under contention; the
     same with Megatron's --deterministic-mode (config.deterministic_mode and torch's deterministic algorithms with
