@@ -3,12 +3,16 @@
 
 The backend moves nothing (its dispatch hands the tokens back as received rows), so what is timed is the
 package's own host work per step: settings, backend and buffer resolution, input checks, the autograd ops and
-handle bookkeeping. Runs on the CPU in one process (a 1-rank gloo group), on tiny tensors, and reports the
-median microseconds per step of:
+handle bookkeeping. Runs on the CPU in one process (a 1-rank gloo group), on tiny tensors, interleaving the
+variants round by round, and reports the median and the minimum microseconds per step of:
 
 * ``ops_resolved_per_call``: ``dispatch(..., layout=..., expert_alignment=...)`` -- settings resolved every call;
 * ``ops_config``: ``dispatch(..., config=DispatchConfig.resolve(...))`` -- resolved once, as the Megatron manager
-  does (skipped on trees that predate ``DispatchConfig``).
+  does (skipped on trees that predate ``DispatchConfig``);
+* ``ops_config_no_id_check``: the same with the default expert-id check off (``check_ids=False``; trees that
+  predate the check have none), which tells the check's cost from the rest;
+* ``bare_tensor_ops``: the step's own tensor ops without the layer. ``layer_min`` = a variant's minimum minus
+  this one's: the layer's host time.
 
 Prints progress, writes ``bench_host_overhead.json`` and ``bench_host_overhead.png`` to ``--out``. ``--tree``
 measures another checkout of the package (e.g. an older commit in a git worktree) with the same harness::
@@ -19,6 +23,7 @@ measures another checkout of the package (e.g. an older commit in a git worktree
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -72,17 +77,26 @@ def _zero_cost_backend(base, handle_cls, outputs):
     return ZeroCostBackend
 
 
-def time_steps(step: Callable[[], None], iters: int, warmup: int) -> float:
-    """Median microseconds of ``step`` over ``iters`` rounds of 10 calls (after ``warmup`` calls)."""
-    for _ in range(warmup):
-        step()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        for _ in range(10):
+def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: int,
+                  calls: int = 10) -> dict[str, dict[str, float]]:
+    """Microseconds per call of each variant: ``rounds`` rounds of ``calls`` calls, the variants interleaved round
+    by round, so that a machine that changes speed during the run slows them all alike.
+
+    Returns:
+        Per variant, the ``median`` and the ``min`` over the rounds (the minimum is the cost without interference
+        from the rest of the machine; it is what the comparison uses).
+    """
+    for step in variants.values():
+        for _ in range(warmup):
             step()
-        samples.append((time.perf_counter() - start) / 10 * 1e6)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, step in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: {"median": statistics.median(values), "min": min(values)} for name, values in samples.items()}
 
 
 def measure(args) -> dict:
@@ -109,19 +123,24 @@ def measure(args) -> dict:
         y = dv2.combine(out.recv_x * out.recv_topk_weights[:, :1], out.handle)
         y.sum().backward()
 
-    results = {}
-    logger.info("timing %s (package at %s)", "ops_resolved_per_call", os.path.dirname(dv2.__file__))
-    results["ops_resolved_per_call"] = time_steps(lambda: step(**kwargs), args.iters, args.warmup)
-    logger.info("   %.1f us per step", results["ops_resolved_per_call"])
+    variants = {"ops_resolved_per_call": lambda: step(**kwargs)}
     if hasattr(dv2, "DispatchConfig"):
         config = dv2.DispatchConfig.resolve(**kwargs)
-        logger.info("timing ops_config")
-        results["ops_config"] = time_steps(lambda: step(config=config), args.iters, args.warmup)
-        logger.info("   %.1f us per step", results["ops_config"])
+        variants["ops_config"] = lambda: step(config=config)
+        if "check_ids" in getattr(dv2.DispatchConfig, "__dataclass_fields__", {}):
+            # Without the default expert-id check (trees before it had none), to tell its cost from the rest.
+            unchecked = dataclasses.replace(config, check_ids=False)
+            variants["ops_config_no_id_check"] = lambda: step(config=unchecked)
     # The same step without our layer: the two autograd-free tensor ops the step does itself.
-    bare = lambda: (x * w[:, :1]).sum().backward()  # noqa: E731
-    results["bare_tensor_ops"] = time_steps(bare, args.iters, args.warmup)
-    logger.info("   bare tensor ops of the step: %.1f us", results["bare_tensor_ops"])
+    variants["bare_tensor_ops"] = lambda: (x * w[:, :1]).sum().backward()
+    logger.info("timing %s, interleaved (package at %s)", ", ".join(variants), os.path.dirname(dv2.__file__))
+    results = time_variants(variants, args.iters, args.warmup)
+    bare = results["bare_tensor_ops"]["min"]
+    for name, result in results.items():
+        if name != "bare_tensor_ops":
+            result["layer_min"] = result["min"] - bare
+        logger.info("   %-22s median %.1f us, min %.1f us%s", name, result["median"], result["min"],
+                    f", layer (min - bare min) {result['layer_min']:.1f} us" if "layer_min" in result else "")
     return results
 
 
@@ -134,14 +153,16 @@ def plot(rows: dict, path: str) -> None:
     labels, values = [], []
     for label, result in rows.items():
         for key, value in result.items():
-            labels.append(f"{label}\n{key}")
-            values.append(value)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4))
+            if "layer_min" in value:
+                labels.append(f"{label}\n{key}")
+                values.append(value["layer_min"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
     bars = ax.bar(range(len(values)), values)
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks(range(len(values)), labels, fontsize=7)
-    ax.set_ylabel("host us per dispatch + combine, fwd + bwd")
-    ax.set_title("deepepv2 host overhead over a zero-cost backend (CPU, lower is better)")
+    ax.set_xticks(range(len(values)), labels, fontsize=6, rotation=60, ha="right")
+    ax.set_ylabel("layer host us per dispatch + combine, fwd + bwd")
+    ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds minus bare; lower is better)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -151,7 +172,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--tree", default=None, help="checkout whose megatron_deepepv2 to measure")
     parser.add_argument("--label", default="current")
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=30, help="rounds of 10 calls per variant")
     parser.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
