@@ -8,8 +8,8 @@ dispatcher without overlap (the oracle: no deepepv2 code on its path), in losses
 gradient.
 
 Runs on 2 gloo CPU ranks (Megatron's streams and events are no-op stand-ins there, so the interleaving is
-exactly the schedule's program order) over the reference backend and over the DeepEP adapter on a stand-in that
-frees its buffer on destroy, in both layouts. ``tests/functional/deepep_cases.py`` runs the same comparison on
+exactly the schedule's program order) over the reference backend in both layouts and over the DeepEP adapter
+(expand) on a stand-in that frees its buffer on destroy. ``tests/functional/deepep_cases.py`` runs the same comparison on
 GPUs over ElasticBuffer, with real streams.
 """
 
@@ -23,7 +23,7 @@ import torch
 import megatron_deepepv2 as dv2
 from tests.distributed import run_distributed
 
-SEQ, VOCAB, HIDDEN, EXPERTS, TOPK = 12, 64, 32, 8, 3
+SEQ, VOCAB, EXPERTS, TOPK = 12, 64, 8, 3
 MICRO_BATCHES = 3
 
 
@@ -33,6 +33,7 @@ class OverlapShape:
 
     Attributes:
         layers: MoE transformer layers.
+        hidden: Hidden size (DeepEP's combine needs a multiple of 256).
         bf16: Compute in BF16 (DeepEP dispatches BF16 only). FP32 otherwise: the config is still checked with
             ``bf16=True`` (the overlap asks for it) and the model then computes in FP32, which on this path only
             changes the attention softmax's input type. With two layers in BF16, a rounding difference between two
@@ -43,12 +44,13 @@ class OverlapShape:
     """
 
     layers: int = 2
+    hidden: int = 32
     bf16: bool = False
     tolerance: float = 1e-4
 
 
 CPU_SHAPE = OverlapShape()
-GPU_SHAPE = OverlapShape(layers=1, bf16=True, tolerance=2e-2)
+GPU_SHAPE = OverlapShape(layers=1, hidden=256, bf16=True, tolerance=2e-2)
 
 
 def _device() -> torch.device:
@@ -67,7 +69,7 @@ def _gpt(dispatcher: str, overlap: bool, shape: OverlapShape):
                  attention_dropout=0.0, init_method_std=0.2)
     dtype = torch.bfloat16 if shape.bf16 else torch.float32
     config = transformer_config(
-        TinyMoEConfig(hidden=HIDDEN, ffn=48, num_experts=EXPERTS, topk=TOPK, params_dtype=dtype, extra=extra),
+        TinyMoEConfig(hidden=shape.hidden, ffn=48, num_experts=EXPERTS, topk=TOPK, params_dtype=dtype, extra=extra),
         dispatcher)
     config.bf16 = shape.bf16  # see OverlapShape.bf16
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
