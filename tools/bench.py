@@ -201,7 +201,7 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
 
 def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
     import megatron_deepepv2 as dv2  # noqa: PLC0415
-    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer  # noqa: PLC0415
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, dispatcher_path_step  # noqa: PLC0415
 
     shape = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
                           params_dtype=torch.bfloat16)
@@ -222,17 +222,10 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
             dv2.configure(layout=layout, backend="deepep", num_sms=args.sms,
                           num_max_tokens_per_rank=cfg.tokens)
         layer = build_moe_layer(shape, dispatcher, seed=3)
-        td = layer.token_dispatcher
         x = x0.clone().requires_grad_()
 
         def path():
-            probs, routing_map = layer.router(x)
-            h, p = td.dispatch_preprocess(x, routing_map, probs)
-            h, p = td.token_dispatch(h, p)
-            h, _, p = td.dispatch_postprocess(h, p)
-            h = td.combine_preprocess(h * p.unsqueeze(1).to(h.dtype))
-            out = td.combine_postprocess(td.token_combine(h))
-            out.backward(torch.ones_like(out))
+            dispatcher_path_step(layer, x)
 
         def whole_layer():
             y, _ = layer(x)
@@ -241,7 +234,7 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
         results[f"path_{name}"] = time_op(path, args.iters, args.warmup)
         if not args.skip_layer:
             results[f"layer_{name}"] = time_op(whole_layer, args.iters, args.warmup)
-        layer = td = None  # free the layer (and its buffer references) before the next variant
+        layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
 
 

@@ -136,6 +136,28 @@ def layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> t
     return output
 
 
+def dispatcher_path_step(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One forward + backward of a MoE layer's dispatcher path alone: router, Megatron's dispatch stages, the
+    routing probabilities as identity experts, the combine stages.
+
+    Args:
+        layer: A megatron-core ``MoELayer`` (any dispatcher).
+        x: ``[S, B, H]`` input (``requires_grad``).
+
+    Returns:
+        The combined output (its backward has run, with a gradient of ones).
+    """
+    dispatcher = layer.token_dispatcher
+    probs, routing_map = layer.router(x)
+    hidden, probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
+    hidden, probs = dispatcher.token_dispatch(hidden, probs)
+    hidden, _, probs = dispatcher.dispatch_postprocess(hidden, probs)
+    hidden = dispatcher.combine_preprocess(hidden * probs.unsqueeze(1).to(hidden.dtype))
+    output = dispatcher.combine_postprocess(dispatcher.token_combine(hidden))
+    output.backward(torch.ones_like(output))
+    return output
+
+
 def capture_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor,
                        warmup_steps: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Captures one forward + backward of a MoE layer in a CUDA graph, after a warm-up on a side stream.
