@@ -26,12 +26,29 @@ def _skip_reason() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 
-@pytest.mark.timeout(900)
-def test_deepep_cases_under_torchrun() -> None:
-    done = run_gpu_job(torchrun_command("tests/functional/deepep_cases.py"), timeout=880)
+def _run_cases(nproc: int, timeout: float) -> None:
+    done = run_gpu_job(torchrun_command("tests/functional/deepep_cases.py", nproc=nproc), timeout=timeout)
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "FAIL" not in done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_deepep_cases_under_torchrun() -> None:
+    _run_cases(2, timeout=880)
+
+
+def _node_size() -> int:
+    """The largest expert-parallel size above 2 this machine's GPUs make (8 or 4), or 0."""
+    count = torch.cuda.device_count()
+    return 8 if count >= 8 else 4 if count >= 4 else 0
+
+
+@pytest.mark.skipif(_node_size() == 0, reason=f"needs >= 4 CUDA GPUs for EP4/EP8 (found {torch.cuda.device_count()})")
+@pytest.mark.timeout(1800)
+def test_deepep_cases_at_node_size() -> None:
+    """The same cases at EP4 or EP8 (every GPU of the node), where tokens reach few of many ranks."""
+    _run_cases(_node_size(), timeout=1780)
 
 
 @pytest.mark.timeout(900)
