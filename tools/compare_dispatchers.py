@@ -114,25 +114,19 @@ def unavailable_reason(variant: Variant, cuda: bool) -> Optional[str]:
 
 def time_call(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
     """Median microseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
+    if cuda:
+        from tools.bench import time_op  # noqa: PLC0415 - CUDA events, the benchmark's own timer
+
+        return time_op(fn, iters, warmup)
     for _ in range(warmup):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
     samples = []
     for _ in range(iters):
         dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) * 1000.0)
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - begin) * 1e6)
-    slowest = torch.tensor([statistics.median(samples)], device="cuda" if cuda else "cpu")
+        begin = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - begin) * 1e6)
+    slowest = torch.tensor([statistics.median(samples)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest.item())
 
