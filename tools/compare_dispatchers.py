@@ -8,7 +8,7 @@ seed, so the same weights and routing) and reports:
   backward, median, slowest rank;
 * ``layer_us``: the whole layer forward + backward (``SequentialMLP`` experts; ``SyncFreeSequentialMLP`` for the
   deepepv2 rows that say so; the graph row is a CUDA-graph replay of it);
-* ``peak_mib``: peak GPU memory of the layer steps above what was allocated before them (CUDA only);
+* ``peak_mib``: peak GPU memory of the layer steps above the layer's weights and buffers (CUDA only);
 * ``max_rel_diff``: the layer output against Megatron's ``alltoall`` on the same input, relative to its largest
   magnitude (``matches`` when within the tolerance of the dtype), so that a fast row is also a right one.
 
@@ -183,6 +183,7 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         x = torch.randn(tokens, 1, model.hidden, generator=gen).to(device=device, dtype=dtype).requires_grad_()
         grad = torch.ones_like(x)
         row: dict = {"variant": variant.name, "tokens": tokens}
+        layer.zero_grad(set_to_none=True)  # the peak is measured above the weights alone, at every token count
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
