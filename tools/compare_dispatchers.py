@@ -292,14 +292,21 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def write_outputs(rows: list[dict], out: str, meta: dict) -> None:
-    """Writes the JSON, the PNG and the markdown tables to ``out``."""
+    """Writes the JSON and the markdown tables to ``out``, then the PNG (which needs matplotlib: the ``bench``
+    extra; without it the data are kept and a warning says how to get the plot)."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare_dispatchers.json"), "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
-    plot(rows, os.path.join(out, "compare_dispatchers.png"))
     with open(os.path.join(out, "compare_dispatchers.md"), "w") as f:
         f.write(markdown(rows))
-    logger.info("wrote %s/compare_dispatchers.{json,png,md}", out)
+    logger.info("wrote %s/compare_dispatchers.{json,md}", out)
+    try:
+        plot(rows, os.path.join(out, "compare_dispatchers.png"))
+    except ImportError as error:
+        logger.warning("no plot: %s. pip install 'megatron-deepepv2[bench]' (matplotlib) and rerun, or plot "
+                       "compare_dispatchers.json yourself.", error)
+        return
+    logger.info("wrote %s/compare_dispatchers.png", out)
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
