@@ -9,8 +9,8 @@ CUDA events after warm-up (DeepEP's JIT excluded), the median of ``--iters`` ite
 * ``raw_fwd_bwd``: the same four ElasticBuffer calls without our layer (the 1.05x target's denominator);
 * ``reference_fwd_bwd``: our ops on the reference backend (NCCL all_to_all_single);
 * ``path_<dispatcher>``: Megatron's dispatcher path (router -> dispatch stages -> identity experts ->
-  combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact, and
-  Megatron's flex ``deepep`` (DeepEP v1 ``Buffer``) and ``hybridep`` backends where megatron-core finds them;
+  combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact (every other
+  dispatcher, DeepEP v1 and hybridep included, side by side on model shapes: ``tools/compare_dispatchers.py``);
 * ``layer_<dispatcher>``: a full MoELayer (SequentialMLP experts) forward + backward (BF16 configs only);
 * ``layer_syncfree_*``: the deepepv2 MoELayer with :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`
   experts with host sync, without (eager), and without host sync captured in a CUDA graph (replay);
@@ -208,15 +208,6 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
     x0 = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16)
     variants = [("alltoall", "alltoall", None), ("allgather", "allgather", None),
                 ("deepepv2_expand", "deepepv2", "expand"), ("deepepv2_compact", "deepepv2", "compact")]
-    # Megatron's other flex backends, where this machine has them (the same on every rank: one install).
-    from megatron.core.transformer.moe import fused_a2a  # noqa: PLC0415
-
-    for name, backend, flag in (("flex_deepep_v1", "deepep", "HAVE_DEEP_EP"), ("flex_hybridep", "hybridep",
-                                                                                "HAVE_HYBRIDEP")):
-        if getattr(fused_a2a, flag, False):
-            variants.append((name, backend, None))
-        else:
-            logger.info("skipping %s: megatron-core's fused_a2a has no %s here (%s is False)", name, backend, flag)
     for name, dispatcher, layout in variants:
         if layout:
             dv2.configure(layout=layout, backend="deepep", num_sms=args.sms,
@@ -345,8 +336,6 @@ def summarise(cfg: BenchConfig, r: dict, peak: float) -> dict:
     stock_paths = [r[k] for k in ("path_alltoall", "path_allgather") if k in r]
     if stock_paths and "path_deepepv2_expand" in r:
         s["path_speedup_expand_vs_best_stock"] = min(stock_paths) / r["path_deepepv2_expand"]
-    if "path_flex_deepep_v1" in r and "path_deepepv2_expand" in r:
-        s["path_speedup_expand_vs_deepep_v1"] = r["path_flex_deepep_v1"] / r["path_deepepv2_expand"]
     stock_layers = [r[k] for k in ("layer_alltoall", "layer_allgather") if k in r]
     if stock_layers and "layer_deepepv2_expand" in r:
         s["layer_speedup_expand_vs_best_stock"] = min(stock_layers) / r["layer_deepepv2_expand"]
@@ -366,8 +355,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    keys = ["path_alltoall", "path_allgather", "path_flex_deepep_v1", "path_flex_hybridep", "path_deepepv2_expand",
-            "path_deepepv2_compact",
+    keys = ["path_alltoall", "path_allgather", "path_deepepv2_expand", "path_deepepv2_compact",
             "layer_alltoall", "layer_deepepv2_expand", "layer_syncfree_host_sync", "layer_syncfree_no_host_sync",
             "layer_syncfree_graph", "layer_shared_serial", "layer_shared_overlap", "ops_fwd_bwd", "raw_fwd_bwd",
             "reference_fwd_bwd"]

@@ -324,7 +324,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_rank(rank: int, world: int, args: argparse.Namespace, cuda: bool) -> list[dict]:
+def run_rank(rank: int, args: argparse.Namespace, cuda: bool) -> list[dict]:
     """One rank's part, in an initialised process group: installs the plugin, sets up EP, compares."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
@@ -344,7 +344,7 @@ def _cpu_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        rows = run_rank(rank, world, args, cuda=False)
+        rows = run_rank(rank, args, cuda=False)
         if rank == 0:
             write_outputs(rows, args.out, {"world_size": world, "device": "cpu (gloo, reference backend)"})
     finally:
@@ -366,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
-        rows = run_rank(dist.get_rank(), dist.get_world_size(), args, cuda=True)
+        rows = run_rank(dist.get_rank(), args, cuda=True)
         if dist.get_rank() == 0:
             write_outputs(rows, args.out, {"world_size": dist.get_world_size(), "device": torch.cuda.get_device_name()})
     finally:

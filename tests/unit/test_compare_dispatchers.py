@@ -16,7 +16,7 @@ def _smoke(rank: int, world: int) -> list[dict]:
     from tools import compare_dispatchers
 
     args = compare_dispatchers._parse(["--cpu", "--models", "tiny", "--tokens", "48", "--iters", "2", "--warmup", "1"])
-    return compare_dispatchers.run_rank(rank, world, args, cuda=False)
+    return compare_dispatchers.run_rank(rank, args, cuda=False)
 
 
 def test_every_runnable_variant_runs_and_matches_alltoall(tmp_path: Path) -> None:
