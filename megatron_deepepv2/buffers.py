@@ -62,14 +62,20 @@ class BufferStats:
     released: int = 0
 
 
-_Key = tuple[str, dist.ProcessGroup, BufferSpec]
+#: (backend name, group, hidden, top-k, FP8, deterministic, SMs): the shape key without the capacity, as a plain
+#: tuple (hashing it is the only per-call cost of finding the buffer).
+_Key = tuple[str, dist.ProcessGroup, int, int, bool, bool, int]
 
-#: Buffer in use per (backend name, group, shape key with capacity 0).
+#: Buffer in use per key.
 _buffers: dict[_Key, DispatchBackend] = {}
 #: Superseded buffers per group, in retirement order, until no handle uses them.
 _retired: dict[dist.ProcessGroup, list[DispatchBackend]] = {}
-#: Live dispatch handles of each buffer (weak: a handle dropped by its last user leaves by itself).
-_handles: "weakref.WeakKeyDictionary[DispatchBackend, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+#: Weak references to the dispatch handles of each buffer (a handle dropped by its last user dies by itself; its
+#: dead reference is pruned in bulk, see track_handle).
+_handles: dict[DispatchBackend, list[weakref.ref]] = {}
+#: A buffer's reference list is pruned when it grows past this many entries (then past twice the live ones).
+_PRUNE_AT = 64
+_prune_at: dict[DispatchBackend, int] = {}
 _stats = BufferStats()
 #: Builds per group so far: names each build's rendezvous point, the same on every rank.
 _builds: dict[dist.ProcessGroup, int] = {}
@@ -119,23 +125,14 @@ def get_buffer(
         ValueError: If the other ranks did not come to the build within ``growth_timeout_s`` (this rank's batch
             exceeds the capacity and theirs do not).
     """
-    wanted = BufferSpec(
-        hidden=hidden,
-        num_topk=num_topk,
-        use_fp8=use_fp8,
-        num_max_tokens_per_rank=0,
-        deterministic=deterministic,
-        num_sms=num_sms,
-    )
-    key = (backend_cls.name, group, wanted)
-    capturing = _is_capturing()
-    if _retired.get(group) and not capturing:
+    key = (backend_cls.name, group, hidden, num_topk, use_fp8, deterministic, num_sms)
+    if group in _retired and not _is_capturing():
         _release_unused(group)  # collective: every rank reaches this dispatch in the same order
     current = _buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
         return current  # steady state: no collective
 
-    if capturing:
+    if _is_capturing():
         raise RuntimeError(
             "The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
             "capture. Run one eager step with the same shapes before capturing."
@@ -146,7 +143,7 @@ def get_buffer(
     capacity = int(configured_capacity) if configured_capacity else 0
     # Start from the largest capacity this group already has (another layer's buffer has seen the same batches),
     # so that a second key does not grow through the sizes the first one grew through.
-    known = [b.spec.num_max_tokens_per_rank for (name, g, _), b in _buffers.items() if name == backend_cls.name
+    known = [b.spec.num_max_tokens_per_rank for (name, g, *_), b in _buffers.items() if name == backend_cls.name
              and g is group]
     capacity = max([capacity, *known])
     # Builds are collective: first make sure every rank is here, through the store, so that a rank that exceeds the
@@ -181,7 +178,9 @@ def get_buffer(
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
         _retired.setdefault(group, []).append(_buffers.pop(key))
 
-    buffer = backend_cls(group, wanted.with_capacity(capacity))
+    spec = BufferSpec(hidden=hidden, num_topk=num_topk, use_fp8=use_fp8, num_max_tokens_per_rank=capacity,
+                      deterministic=deterministic, num_sms=num_sms)
+    buffer = backend_cls(group, spec)
     _buffers[key] = buffer
     _stats.builds += 1
     return buffer
@@ -193,12 +192,25 @@ def track_handle(handle) -> None:
     Args:
         handle: A :class:`~megatron_deepepv2.backends.base.DispatchHandle` just returned by a dispatch.
     """
-    _handles.setdefault(handle.backend, weakref.WeakSet()).add(handle)
+    buffer = handle.backend
+    refs = _handles.get(buffer)
+    if refs is None:
+        refs = _handles[buffer] = []
+    refs.append(weakref.ref(handle))  # a weak reference per call, no callback: the cheapest record there is
+    if len(refs) > _prune_at.get(buffer, _PRUNE_AT):
+        refs[:] = [ref for ref in refs if ref() is not None]
+        _prune_at[buffer] = max(_PRUNE_AT, 2 * len(refs))  # pruning stays O(1) per call, amortised
 
 
 def _in_use(buffer: DispatchBackend) -> bool:
-    handles = _handles.get(buffer)
-    return handles is not None and len(handles) > 0
+    return any(ref() is not None for ref in _handles.get(buffer, ()))
+
+
+def _forget(buffer: DispatchBackend) -> None:
+    """Destroys ``buffer`` (collective) and drops its handle records."""
+    buffer.destroy()
+    _handles.pop(buffer, None)
+    _prune_at.pop(buffer, None)
 
 
 def _release_unused(group: dist.ProcessGroup) -> None:
@@ -211,7 +223,7 @@ def _release_unused(group: dist.ProcessGroup) -> None:
         if used:
             keep.append(buffer)
             continue
-        buffer.destroy()
+        _forget(buffer)
         _stats.released += 1
     if keep:
         _retired[group] = keep
@@ -223,10 +235,10 @@ def destroy_buffers() -> None:
     """Destroys every buffer of this process, retired ones included (collective: call it on every rank, e.g.
     before shutdown, once no backward pass is pending)."""
     for key in list(_buffers):
-        _buffers.pop(key).destroy()
+        _forget(_buffers.pop(key))
     for group in list(_retired):
         for buffer in _retired.pop(group):
-            buffer.destroy()
+            _forget(buffer)
 
 
 def buffer_stats() -> BufferStats:

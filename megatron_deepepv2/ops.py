@@ -18,8 +18,8 @@ each top-k slot's weight gradient from the rank that owns the slot's expert only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,8 @@ from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLa
 from megatron_deepepv2.config import get_settings
 
 
-@dataclass(frozen=True)
-class DispatchResult:
-    """Output of :func:`dispatch`.
+class DispatchResult(NamedTuple):
+    """Output of :func:`dispatch` (a named tuple: building it costs a fraction of a dataclass's).
 
     Attributes:
         recv_x: Received rows (an FP8 pair when one was dispatched).
@@ -94,6 +93,16 @@ class DispatchConfig:
     check_ids: bool = True
     growth_timeout_s: float = 120.0
     mask_foreign_weights: bool = True
+    #: Input signatures (types, shapes, dtypes, devices, experts, group) whose static checks passed with this
+    #: configuration: not a setting, a memo (a configuration made by replace() starts with none).
+    passed_static_checks: set = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def remember_static_pass(self, signature: tuple) -> None:
+        """Records that inputs of ``signature`` passed the static checks (bounded: callers whose shapes change every
+        call, e.g. variable-length batches, start over past 256 signatures)."""
+        if len(self.passed_static_checks) >= 256:
+            self.passed_static_checks.clear()
+        self.passed_static_checks.add(signature)
 
     @classmethod
     def resolve(
@@ -108,8 +117,12 @@ class DispatchConfig:
         host_sync: Optional[bool] = None,
         deterministic: Optional[bool] = None,
         mask_foreign_weights: bool = True,
+        check_ids: Optional[bool] = None,
     ) -> "DispatchConfig":
         """Resolves the arguments of :func:`dispatch` (None = the process-wide setting) into a configuration.
+
+        ``check_ids=False`` is for callers whose expert ids are valid by construction (the Megatron manager's come
+        from ``torch.topk``); the ``validate`` setting checks them all the same.
 
         Raises:
             ValueError: For an unknown backend or layout, or a mode the backend cannot run.
@@ -126,7 +139,7 @@ class DispatchConfig:
             deterministic=settings.deterministic if deterministic is None else bool(deterministic),
             num_max_tokens_per_rank=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
             validate=settings.validate,
-            check_ids=settings.check_ids,
+            check_ids=settings.check_ids if check_ids is None else bool(check_ids),
             growth_timeout_s=float(settings.growth_timeout_s),
             mask_foreign_weights=bool(mask_foreign_weights),
         )
@@ -136,117 +149,137 @@ class DispatchConfig:
         return config
 
 
-def _previous_event(backend: DispatchBackend, allocate_on_comm_stream: bool) -> Optional[Any]:
-    # DeepEP accepts a previous event only together with allocate_on_comm_stream.
-    return backend.capture_event() if allocate_on_comm_stream else None
+class _DispatchCall(NamedTuple):
+    """The non-differentiable arguments of one dispatch, handed to :class:`_DispatchFunction` as one object.
+
+    (Autograd's ``apply`` inspects each argument on every call: one tuple costs less than seven.)
+    """
+
+    scales: Optional[torch.Tensor]
+    topk_idx: torch.Tensor
+    backend: DispatchBackend
+    num_experts: int
+    config: DispatchConfig
+    async_finish: bool
+    allocate_on_comm_stream: bool
+    #: Filled by the forward with the outputs that take no gradient (received scales, received ids, handle): they
+    #: leave through here rather than as autograd outputs, which each cost a wrapping.
+    side_outputs: list
 
 
 class _DispatchFunction(torch.autograd.Function):
     """Autograd dispatch; see the module docstring."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        x_scales: Optional[torch.Tensor],
-        topk_weights: Optional[torch.Tensor],
-        topk_idx: torch.Tensor,
-        backend: DispatchBackend,
-        num_experts: int,
-        config: DispatchConfig,
-        streams: tuple[bool, bool],
-    ):
-        async_finish, allocate_on_comm_stream = streams
-        previous_event = _previous_event(backend, allocate_on_comm_stream)
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):  # type: ignore[override]
+        backend, config = call.backend, call.config
         out = backend.dispatch(
-            x if x_scales is None else (x, x_scales),
-            topk_idx,
+            x if call.scales is None else (x, call.scales),
+            call.topk_idx,
             topk_weights,
-            num_experts=num_experts,
+            num_experts=call.num_experts,
             layout=config.layout,
             expert_alignment=config.expert_alignment,
             zero_padding=config.zero_padding,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            previous_event=previous_event,
+            async_finish=call.async_finish,
+            allocate_on_comm_stream=call.allocate_on_comm_stream,
+            # DeepEP accepts a previous event only together with allocate_on_comm_stream.
+            previous_event=backend.capture_event() if call.allocate_on_comm_stream else None,
             host_sync=config.host_sync,
         )
         out.event.wait()
-        recv_x, recv_scales = out.recv_x if x_scales is not None else (out.recv_x, None)
-        recv_weights = out.recv_topk_weights
-        if recv_weights is not None and out.recv_topk_idx is not None and config.mask_foreign_weights:
-            recv_weights = recv_weights.masked_fill(out.recv_topk_idx < 0, 0.0)
-
+        if call.scales is None:
+            recv_x, recv_scales = out.recv_x, None
+        else:
+            recv_x, recv_scales = out.recv_x
+            ctx.mark_non_differentiable(recv_x)
+        recv_idx, recv_weights = out.recv_topk_idx, out.recv_topk_weights
+        if recv_weights is not None and recv_idx is not None and config.mask_foreign_weights:
+            recv_weights = recv_weights.masked_fill(recv_idx < 0, 0.0)
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
         ctx.handle = out.handle
-        ctx.streams = streams
-        ctx.has_weights = topk_weights is not None
-        ctx.device = topk_idx.device
-        fp8_rows = (recv_x, recv_scales) if x_scales is not None else ()
-        non_differentiable = [t for t in (*fp8_rows, out.recv_topk_idx) if t is not None]
-        ctx.mark_non_differentiable(*non_differentiable)
-        return recv_x, recv_scales, out.recv_topk_idx, recv_weights, out.handle
+        ctx.call = call
+        call.side_outputs.extend((recv_scales, recv_idx, out.handle))
+        return recv_x, recv_weights
 
     @staticmethod
-    def backward(ctx: Any, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weights, _grad_handle):
+    def backward(ctx: Any, grad_recv_x, grad_recv_weights):
         handle: DispatchHandle = ctx.handle
+        call: _DispatchCall = ctx.call
         backend = handle.backend
-        async_finish, allocate_on_comm_stream = ctx.streams
         if grad_recv_x is None:
             grad_recv_x = torch.zeros(
-                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16, device=ctx.device
+                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16, device=call.topk_idx.device
             )
         # Materialise every communication input before the event is captured.
         grad_recv_x = grad_recv_x.contiguous()
         grad_weights = None
-        if ctx.has_weights:
+        if ctx.needs_input_grad[1]:  # weights were dispatched and want a gradient
             if grad_recv_weights is None:
                 shape = (handle.num_recv_rows,) if handle.layout is ExpertLayout.EXPAND else (
                     handle.num_recv_rows, handle.num_topk)
                 grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
             grad_weights = grad_recv_weights.float().contiguous()
-        previous_event = _previous_event(backend, allocate_on_comm_stream)
         out = backend.combine(
             grad_recv_x,
             handle,
             grad_weights,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            previous_event=previous_event,
+            async_finish=call.async_finish,
+            allocate_on_comm_stream=call.allocate_on_comm_stream,
+            previous_event=backend.capture_event() if call.allocate_on_comm_stream else None,
         )
         out.event.wait()
-        return out.x, None, out.topk_weights, None, None, None, None, None
+        return out.x, out.topk_weights, None
+
+
+def _apply_dispatch(
+    buffer: DispatchBackend,
+    data: torch.Tensor,
+    scales: Optional[torch.Tensor],
+    topk_idx: torch.Tensor,
+    topk_weights: Optional[torch.Tensor],
+    num_experts: int,
+    config: DispatchConfig,
+    streams: tuple[bool, bool],
+) -> tuple[Any, ...]:
+    """Runs :class:`_DispatchFunction` on ``buffer`` with checked inputs.
+
+    Returns:
+        ``(recv_x, recv_weights, recv_scales, recv_idx, handle)``.
+    """
+    call = _DispatchCall(scales, topk_idx, buffer, num_experts, config, *streams, [])
+    recv_x, recv_weights = _DispatchFunction.apply(data, topk_weights, call)
+    return (recv_x, recv_weights, *call.side_outputs)
 
 
 class _CombineFunction(torch.autograd.Function):
     """Autograd combine; see the module docstring."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, async_finish: bool, allocate_on_comm_stream: bool):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: tuple[bool, bool]):  # type: ignore[override]
         backend = handle.backend
-        previous_event = _previous_event(backend, allocate_on_comm_stream)
+        async_finish, allocate_on_comm_stream = streams
         out = backend.combine(
             x, handle, None, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-            previous_event=previous_event,
+            previous_event=backend.capture_event() if allocate_on_comm_stream else None,
         )
         out.event.wait()
         ctx.handle = handle
-        ctx.async_finish = async_finish
-        ctx.allocate_on_comm_stream = allocate_on_comm_stream
+        ctx.streams = streams
         return out.x
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
         backend = handle.backend
+        async_finish, allocate_on_comm_stream = ctx.streams
         grad_out = grad_out.contiguous()  # before the event capture
-        previous_event = _previous_event(backend, ctx.allocate_on_comm_stream)
         out = backend.cached_dispatch(
-            grad_out, handle, None, async_finish=ctx.async_finish,
-            allocate_on_comm_stream=ctx.allocate_on_comm_stream, previous_event=previous_event,
+            grad_out, handle, None, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+            previous_event=backend.capture_event() if allocate_on_comm_stream else None,
         )
         out.event.wait()
-        return out.recv_x, None, None, None
+        return out.recv_x, None, None
 
 
 def dispatch(
@@ -306,14 +339,11 @@ def dispatch(
             then fails with a RuntimeError naming it, see :mod:`megatron_deepepv2.validation`).
         ImportError: An explicitly requested backend cannot run here.
     """
+    arguments = (backend, layout, expert_alignment, zero_padding, num_max_tokens_per_rank, num_sms, host_sync,
+                 deterministic)
     if config is None:
-        config = DispatchConfig.resolve(
-            backend=backend, layout=layout, expert_alignment=expert_alignment, zero_padding=zero_padding,
-            num_max_tokens_per_rank=num_max_tokens_per_rank, num_sms=num_sms, host_sync=host_sync,
-            deterministic=deterministic,
-        )
-    elif (backend, layout, expert_alignment, zero_padding, num_max_tokens_per_rank, num_sms, host_sync,
-          deterministic) != _CONFIG_ARGUMENT_DEFAULTS:
+        config = _config_for_arguments(arguments)
+    elif arguments != _CONFIG_ARGUMENT_DEFAULTS:
         raise TypeError("dispatch() takes either config= or the settings it resolves (layout, expert_alignment, "
                         "zero_padding, backend, num_max_tokens_per_rank, num_sms, host_sync, deterministic), "
                         "not both.")
@@ -326,23 +356,39 @@ def dispatch(
     # except without host sync, which promises no host read of device data, CPU or not.
     host_id_check = config.validate or (config.check_ids and config.host_sync and isinstance(topk_idx, torch.Tensor)
                                         and not topk_idx.is_cuda)
-    problem = validation.check_dispatch_inputs(
-        x,
-        topk_idx,
-        topk_weights,
-        num_experts=num_experts,
-        group_size=group_size(group),
-        limits=config.backend.limits,
-        layout=config.layout,
-        expert_alignment=config.expert_alignment,
-        zero_padding=config.zero_padding,
-        num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-        check_values=host_id_check,
-    )
-    num_tokens = topk_idx.shape[0] if problem is None else 0
-    max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens)
+    device_id_check = config.check_ids and not host_id_check
+    # The static checks depend on the inputs' types, shapes, dtypes and devices only: a signature that passed once
+    # passes again (plain tensors only; anything else is checked in full every call).
+    signature = None
+    if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and (
+            topk_weights is None or type(topk_weights) is torch.Tensor):
+        signature = (x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_idx.device, num_experts, group,
+                     None if topk_weights is None else (topk_weights.shape, topk_weights.dtype, topk_weights.device))
+    if signature is not None and signature in config.passed_static_checks:
+        problem = validation.check_expert_ids(topk_idx, num_experts) if host_id_check else None
+    else:
+        problem = validation.check_dispatch_inputs(
+            x,
+            topk_idx,
+            topk_weights,
+            num_experts=num_experts,
+            group_size=group_size(group),
+            limits=config.backend.limits,
+            layout=config.layout,
+            expert_alignment=config.expert_alignment,
+            zero_padding=config.zero_padding,
+            num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+            check_values=host_id_check,
+        )
+        if problem is None and signature is not None:
+            config.remember_static_pass(signature)
+    if problem is None and not config.validate:
+        max_tokens = topk_idx.shape[0]  # the common case: nothing to raise, nothing to agree on
+    else:
+        num_tokens = topk_idx.shape[0] if problem is None else 0
+        max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens)
     topk_idx = topk_idx.contiguous()
-    if config.check_ids and not host_id_check:
+    if device_id_check:
         validation.assert_expert_ids_on_device(topk_idx, num_experts, group)
 
     data, scales = x if isinstance(x, tuple) else (x, None)
@@ -359,18 +405,11 @@ def dispatch(
             num_sms=config.num_sms,
             growth_timeout_s=config.growth_timeout_s,
         )
-        recv_x, recv_scales, recv_idx, recv_weights, handle = _DispatchFunction.apply(
-            data,
-            scales,
-            topk_weights,
-            topk_idx,
-            buffer,
-            num_experts,
-            config,
-            (async_finish, allocate_on_comm_stream),
-        )
+        recv_x, recv_weights, recv_scales, recv_idx, handle = _apply_dispatch(
+            buffer, data, scales, topk_idx, topk_weights, num_experts, config, (async_finish, allocate_on_comm_stream))
     except Exception as error:
         raise _with_peer_failures(error, group) from error
+    handle.validate = config.validate  # combine agrees on its errors as the dispatch did
     buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
     if scales is not None:
         recv_x = (recv_x, recv_scales)
@@ -390,6 +429,36 @@ def _with_peer_failures(error: Exception, group: dist.ProcessGroup) -> Exception
 
 #: dispatch()'s defaults of the arguments a DispatchConfig replaces.
 _CONFIG_ARGUMENT_DEFAULTS = (None, ExpertLayout.COMPACT, 1, False, None, None, None, None)
+_ARGUMENT_NAMES = ("backend", "layout", "expert_alignment", "zero_padding", "num_max_tokens_per_rank", "num_sms",
+                   "host_sync", "deterministic")
+#: Configurations resolved for dispatch() calls without ``config=``, per argument tuple, under the settings object
+#: they were resolved with (configure() replaces that object, which empties the cache).
+_resolved_configs: dict[tuple, DispatchConfig] = {}
+_resolved_under: list = [None]
+
+
+def _config_for_arguments(arguments: tuple) -> DispatchConfig:
+    """:meth:`DispatchConfig.resolve` of dispatch()'s arguments, resolved once per distinct arguments and settings.
+
+    The resolution is a function of the arguments, the process-wide settings and the backend registry (whose names,
+    once registered, never change class), so a caller that passes the same arguments each step gets the same
+    configuration without redoing it.
+    """
+    settings = get_settings()
+    if _resolved_under[0] is not settings:
+        _resolved_configs.clear()
+        _resolved_under[0] = settings
+    try:
+        return _resolved_configs[arguments]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable argument: resolve it (and let resolve say what is wrong with it)
+        return DispatchConfig.resolve(**dict(zip(_ARGUMENT_NAMES, arguments)))
+    config = DispatchConfig.resolve(**dict(zip(_ARGUMENT_NAMES, arguments)))
+    if len(_resolved_configs) >= 64:  # callers with ever-changing arguments: keep the cache bounded
+        _resolved_configs.clear()
+    _resolved_configs[arguments] = config
+    return config
 
 
 def combine(
@@ -418,8 +487,9 @@ def combine(
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
     # The backend's mode checks ran when the dispatch's configuration was resolved.
     problem = validation.check_combine_inputs(x, handle, None)
-    validation.raise_on_every_rank(problem, handle.backend.group, agree=get_settings().validate)
+    if problem is not None or handle.validate:
+        validation.raise_on_every_rank(problem, handle.backend.group, agree=handle.validate)
     try:
-        return _CombineFunction.apply(x.contiguous(), handle, async_finish, allocate_on_comm_stream)
+        return _CombineFunction.apply(x.contiguous(), handle, (async_finish, allocate_on_comm_stream))
     except Exception as error:
         raise _with_peer_failures(error, handle.backend.group) from error

@@ -188,6 +188,8 @@ class DispatchHandle:
         native: Backend-private routing state (a DeepEP ``EPHandle``, or the reference backend's plan).
         device_counts: Returns ``(tokens_per_expert, num_valid_rows)`` (see the properties); called at most
             once, on first access, so a host-sync caller that uses the host list launches nothing for them.
+        validate: Whether the combine of this dispatch agrees on input errors over the group (the dispatch
+            configuration's ``validate``; set by :func:`megatron_deepepv2.ops.dispatch`).
     """
 
     backend: "DispatchBackend"
@@ -203,6 +205,7 @@ class DispatchHandle:
     host_sync: bool
     native: Any = field(repr=False)
     device_counts: Callable[[], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    validate: bool = field(default=False, repr=False)
 
     @functools.cached_property
     def _device_counts(self) -> tuple[torch.Tensor, torch.Tensor]:

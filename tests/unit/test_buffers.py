@@ -25,6 +25,14 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     for tokens in (1, 8, 0):
         assert _dispatch(tokens, hidden=8).handle.backend is first
     assert stats.builds == 1
+    # Every dispatch records its handle; the records of dropped handles are pruned, so they stay bounded.
+    kept = [_dispatch(1, hidden=8) for _ in range(3)]
+    for _ in range(300):
+        _dispatch(1, hidden=8)
+    records = buffers._handles[first]
+    assert len(records) <= 2 * buffers._PRUNE_AT, len(records)
+    assert {id(ref()) for ref in records if ref() is not None} == {id(result.handle) for result in kept}
+    del kept
     # Another hidden size -> a buffer of its own (collective build); the first one stays in use for its layers.
     second = _dispatch(2, hidden=16).handle.backend
     assert second is not first and second.spec.hidden == 16 and second.spec.num_max_tokens_per_rank == 8

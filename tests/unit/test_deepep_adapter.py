@@ -294,8 +294,8 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
         xg = x.clone().requires_grad_()
         config = ops.DispatchConfig(backend=DeepEPBackend, layout=layout, expert_alignment=4,
                                     zero_padding=layout is ExpertLayout.EXPAND, host_sync=host_sync)
-        out = ops._DispatchFunction.apply(xg, None, w, idx, backend, 8, config, (True, True))
-        y = ops._CombineFunction.apply(out[0], out[-1], True, True)
+        out = ops._apply_dispatch(backend, xg, None, idx, w, 8, config, (True, True))
+        y = ops._CombineFunction.apply(out[0], out[-1], (True, True))
         y.sum().backward()
         for call in stand_in.calls:
             assert call["prev"] == "event-handle" and call["alloc"]
@@ -332,8 +332,8 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
         assert torch.utils.deterministic.fill_uninitialized_memory
         config = ops.DispatchConfig(backend=DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=2,
                                     zero_padding=True, host_sync=True, deterministic=True)
-        out = ops._DispatchFunction.apply(x, None, w, idx, backend, 4, config, (True, True))
-        y = ops._CombineFunction.apply(out[0] * 2, out[-1], True, True)
+        out = ops._apply_dispatch(backend, x, None, idx, w, 4, config, (True, True))
+        y = ops._CombineFunction.apply(out[0] * 2, out[-1], (True, True))
         y.sum().backward()
         assert torch.utils.deterministic.fill_uninitialized_memory  # restored after every call
     finally:
