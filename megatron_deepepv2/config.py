@@ -60,7 +60,8 @@ class DeepepV2Settings:
         check_ids: Check the expert ids of every dispatch without a host sync (each in ``[-1, num_experts)``, no
             expert twice in one row): on CUDA one small kernel and a device-side assert (a bad id stops the
             process instead of corrupting the exchange), on CPU a ValueError. ``validate`` replaces it with the
-            host-side check that names the token.
+            host-side check that names the token. The Megatron manager's ids come from ``torch.topk`` and are
+            valid by construction, so its layers skip this check (``validate`` still runs).
         growth_timeout_s: How long a rank whose batch exceeds the learnt token capacity waits for the other
             ranks to grow the buffer with it (they do when their batches exceed it too); past it, the rank raises
             naming the cause instead of waiting in a collective the others never join.

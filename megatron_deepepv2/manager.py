@@ -111,6 +111,8 @@ def dispatch_config_for(config) -> ops.DispatchConfig:
         deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
         # Megatron's multihot conversion ignores the entries of other ranks' experts.
         mask_foreign_weights=False,
+        # The manager's ids come from torch.topk (setup_metadata): in range and distinct by construction.
+        check_ids=False,
     )
     object.__setattr__(config, "_deepepv2_dispatch_config", resolved)
     return resolved
@@ -149,7 +151,7 @@ def deterministic_algorithms() -> Iterator[None]:
 class _DeepepV2Manager(_DeepepManager):
     """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``.
 
-    Subclasses ``_DeepepManager`` for its routing helpers (``setup_metadata``, multihot conversion,
+    Subclasses ``_DeepepManager`` for its routing helpers (multihot conversion,
     router padding, compact permute/unpermute) without calling its ``__init__``, which requires DeepEP v1.
 
     Args:
@@ -200,6 +202,24 @@ class _DeepepV2Manager(_DeepepManager):
         self.dispatched_indices: Optional[torch.Tensor] = None
         self.dispatched_probs: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
+
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
+        """Turns the router's ``[T, E]`` probabilities into ``[T, K]`` expert ids and their probabilities.
+
+        The ids are ``torch.topk`` indices over the experts, so each is in ``[0, E)`` and no row names an expert
+        twice, by construction: this layer's dispatch configuration therefore skips the expert-id check (the
+        ``validate`` setting runs it all the same). With a capacity factor, selections the router dropped (prob 0)
+        become ``-1``, as in Megatron's DeepEP manager.
+
+        Args:
+            routing_map: ``[T, E]`` (or reshapeable) bool map of the selected experts (only its token count is used).
+            probs: ``[T, E]`` (or reshapeable) routing probabilities, zero where not selected.
+        """
+        num_tokens = routing_map.shape[0]
+        probs = probs.reshape(num_tokens, self.num_experts)
+        self.token_probs, self.token_indices = torch.topk(probs, self.router_topk, dim=-1)
+        if self.capacity_factor is not None:
+            self.token_indices = self.token_indices.masked_fill(self.token_probs == 0, -1)
 
     def dispatch(
         self,

@@ -174,6 +174,51 @@ def test_config_validation_errors() -> None:
     run_distributed(_config_errors, 2)
 
 
+def _routing_ids(rank: int, world: int) -> None:
+    _setup()
+    from megatron_deepepv2 import ops
+    from megatron_deepepv2.manager import _DeepepV2Manager, dispatch_config_for
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
+
+    init_expert_parallel()
+    num_experts, topk, tokens = 8, 3, 64
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.rand(tokens, num_experts, generator=gen)
+    probs[::4] = probs[::4].round(decimals=1)  # ties between experts
+    probs[1::5, :] = 0.0  # rows the router dropped entirely
+    probs[2::5, 2:] = 0.0  # rows with fewer than top-k selections
+    for capacity_factor in (None, 1.0):
+        config = transformer_config(TinyMoEConfig(num_experts=num_experts, topk=topk, capacity_factor=capacity_factor),
+                                    "deepepv2")
+        manager = _DeepepV2Manager(None, num_experts // world, topk, num_experts, config)
+        manager.setup_metadata(probs > 0, probs)
+        ids, picked = manager.token_indices, manager.token_probs
+        assert ids.dtype == torch.int64 and ids.shape == (tokens, topk)
+        for row in range(tokens):  # oracle: the row's top-k probabilities, each expert at most once
+            chosen = [int(e) for e in ids[row] if e >= 0]
+            assert len(set(chosen)) == len(chosen) and all(0 <= e < num_experts for e in chosen), ids[row]
+            assert sorted(picked[row].tolist(), reverse=True) == sorted(probs[row].tolist(), reverse=True)[:topk]
+            assert all(picked[row, k] == probs[row, int(e)] for k, e in enumerate(ids[row]) if e >= 0)
+            # With a capacity factor the router's drops (prob 0) are no selection (-1); dropless keeps the ids.
+            dropped = [k for k in range(topk) if picked[row, k] == 0] if capacity_factor else []
+            assert [k for k in range(topk) if ids[row, k] < 0] == dropped, (row, ids[row], picked[row])
+        # Valid by construction, so the layer's dispatches skip the id check, and validate runs it all the same.
+        assert dispatch_config_for(config).check_ids is False and ops.DispatchConfig.resolve().check_ids is True
+    import megatron_deepepv2 as dv2
+
+    with dv2.settings_override(validate=True):
+        config = transformer_config(TinyMoEConfig(num_experts=num_experts, topk=topk), "deepepv2")
+        manager = _DeepepV2Manager(torch.distributed.group.WORLD, num_experts // world, topk, num_experts, config)
+        manager.token_indices = torch.tensor([[0, 0, 1]] * 4)
+        manager.token_probs = torch.rand(4, topk)
+        with pytest.raises(ValueError, match="selects the same expert twice for token 0"):
+            manager.dispatch(torch.randn(4, 64))
+
+
+def test_manager_ids_are_valid_by_construction() -> None:
+    run_distributed(_routing_ids, 2)
+
+
 def _cli(rank: int, world: int) -> str:
     _setup()
     import sys
