@@ -416,7 +416,7 @@ def raise_on_every_rank(
         raise problem
     if failed:
         raise ValueError(
-            f"Rank(s) {failed} of the expert-parallel group rejected their dispatch inputs (their error "
+            f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine inputs (their error "
             "says why); this rank's inputs were valid but it stops too instead of waiting for them."
         )
     return agreed[-1]

@@ -132,6 +132,30 @@ def test_bad_input_raises_on_every_rank(world: int, bad_rank: int) -> None:
     assert all(o == list(CASES) for o in outcomes)
 
 
+def _combine_error_agreed(rank: int, world: int) -> str:
+    x, idx, w = _good(rank)
+    with dv2.settings_override(validate=True):
+        out = dv2.dispatch(x, idx, w, E)
+    # The settings change back; the combine still agrees as its dispatch's configuration did.
+    rows = out.recv_x if rank == 0 else out.recv_x[:-1]
+    try:
+        dv2.combine(rows, out.handle)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"rank {rank}: combine did not raise")
+    y = dv2.combine(out.recv_x, out.handle)  # nothing was lost: the group still combines
+    ranks_per_token = torch.stack([(idx // (E // world) == r).any(1) for r in range(world)], 1).sum(1)
+    torch.testing.assert_close(y, x * ranks_per_token.unsqueeze(1).to(x.dtype))
+    return message
+
+
+def test_a_bad_combine_input_under_validation_stops_every_rank() -> None:
+    outcomes = run_distributed(_combine_error_agreed, 2, env={"MEGATRON_DEEPEPV2_VALIDATE": "0"}, timeout=60)
+    assert "Rank(s) [1] of the expert-parallel group rejected their dispatch or combine inputs" in outcomes[0]
+    assert "combine input has" in outcomes[1] and "rows but the dispatch delivered" in outcomes[1]
+
+
 def test_static_errors_raise_without_validation() -> None:
     # num_experts=6 is not a multiple of 4 ranks.
     run_distributed(_uniform_error_without_validation, 4, env={"MEGATRON_DEEPEPV2_VALIDATE": "0"})
