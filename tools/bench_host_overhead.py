@@ -11,24 +11,36 @@ variants round by round, and reports the median and the minimum microseconds per
   does (skipped on trees that predate ``DispatchConfig``);
 * ``ops_config_no_id_check``: the same with the default expert-id check off (``check_ids=False``; trees that
   predate the check have none), which tells the check's cost from the rest;
+* ``ops_megatron_config``: ``DispatchConfig`` as the Megatron manager resolves it: other ranks' weights not zeroed
+  (``mask_foreign_weights=False``: its multihot conversion ignores them) and no id check (``check_ids=False``: its ids
+  come from ``torch.topk``, valid by construction);
+* ``autograd_floor``: two identity autograd functions in place of dispatch and combine: what PyTorch charges any
+  Python-level differentiable dispatch + combine, the part of the layer no code of ours can remove;
 * ``bare_tensor_ops``: the step's own tensor ops without the layer. ``layer_min`` = a variant's minimum minus
   this one's: the layer's host time.
 
 Prints progress, writes ``bench_host_overhead.json`` and ``bench_host_overhead.png`` to ``--out``. ``--tree``
-measures another checkout of the package (e.g. an older commit in a git worktree) with the same harness::
+measures another checkout of the package (e.g. an older commit in a git worktree) with the same harness;
+``--compare`` measures several, each in its own process, alternating them ``--processes`` times, and keeps each
+one's smallest and median layer time over its processes (what docs/benchmarks.md reports)::
 
     python tools/bench_host_overhead.py --out bench_out [--tree /path/to/older/checkout --label before]
+    taskset -c 5 python tools/bench_host_overhead.py --out bench_out --compare before=/path/to/older now=.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
 import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
@@ -41,7 +53,7 @@ def _zero_cost_backend(base, handle_cls, outputs):
     DispatchOutput, CombineOutput = outputs
     import torch
 
-    count_tensors: dict = {}
+    handle_fields: dict = {}
 
     class ZeroCostBackend(DispatchBackend):
         name = "zero-cost"
@@ -51,20 +63,30 @@ def _zero_cost_backend(base, handle_cls, outputs):
                      zero_padding=False, async_finish=False, allocate_on_comm_stream=False, previous_event=None,
                      host_sync=True):
             local = num_experts // self.group_size
-            counts = [x.shape[0]] + [0] * (local - 1)
-            fields = dict(backend=self, layout=layout, num_experts=num_experts, num_local_experts=local,
-                          expert_alignment=expert_alignment, zero_padding=zero_padding, num_tokens=x.shape[0],
-                          num_topk=topk_idx.shape[1], num_recv_rows=x.shape[0], tokens_per_expert_list=counts,
+            key = (x.shape[0], topk_idx.shape[1], local, layout, expert_alignment, zero_padding, host_sync)
+            fields = handle_fields.get(key)
+            if fields is None:  # made once per shape: the backend itself costs nothing per call
+                fields = handle_fields[key] = self._handle_fields(x.shape[0], topk_idx.shape[1], num_experts, local,
+                                                                   layout, expert_alignment, zero_padding, host_sync)
+            handle = handle_cls(backend=self, **fields)
+            # One rank holds every expert, so the global ids are the local ones: no op to rewrite them.
+            recv_idx = topk_idx if local == num_experts else topk_idx.clamp(max=local - 1)
+            return DispatchOutput(x.view_as(x), recv_idx, topk_weights, handle, CompletedEvent())
+
+        @staticmethod
+        def _handle_fields(num_tokens, num_topk, num_experts, local, layout, expert_alignment, zero_padding,
+                           host_sync):
+            counts = [num_tokens] + [0] * (local - 1)
+            fields = dict(layout=layout, num_experts=num_experts, num_local_experts=local,
+                          expert_alignment=expert_alignment, zero_padding=zero_padding, num_tokens=num_tokens,
+                          num_topk=num_topk, num_recv_rows=num_tokens, tokens_per_expert_list=counts,
                           host_sync=host_sync, native=None)
-            key = (x.shape[0], local)
-            if key not in count_tensors:  # made once: the backend itself costs nothing per call
-                count_tensors[key] = (torch.tensor(counts), torch.tensor(x.shape[0]))
+            count_tensors = (torch.tensor(counts), torch.tensor(num_tokens))
             if "device_counts" in handle_cls.__dataclass_fields__:
-                fields["device_counts"] = lambda: count_tensors[key]
+                fields["device_counts"] = lambda: count_tensors
             else:  # trees before lazily derived counts
-                fields["tokens_per_expert"], fields["num_valid_rows"] = count_tensors[key]
-            handle = handle_cls(**fields)
-            return DispatchOutput(x.view_as(x), topk_idx.clamp(max=local - 1), topk_weights, handle, CompletedEvent())
+                fields["tokens_per_expert"], fields["num_valid_rows"] = count_tensors
+            return fields
 
         def cached_dispatch(self, x, handle, topk_weights=None, *, async_finish=False, allocate_on_comm_stream=False,
                             previous_event=None):
@@ -75,6 +97,33 @@ def _zero_cost_backend(base, handle_cls, outputs):
             return CombineOutput(x.view_as(x), topk_weights, CompletedEvent())
 
     return ZeroCostBackend
+
+
+def _identity_functions():
+    """Two autograd functions that return their inputs (as views): a dispatch and a combine that do nothing."""
+    import torch
+
+    class IdentityDispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weights, call):
+            ctx.call = call
+            return x.view_as(x), weights.view_as(weights)
+
+        @staticmethod
+        def backward(ctx, grad_x, grad_weights):
+            return grad_x, grad_weights, None
+
+    class IdentityCombine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, handle, streams):
+            ctx.handle = handle
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None, None
+
+    return IdentityDispatch, IdentityCombine
 
 
 def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: int,
@@ -131,6 +180,20 @@ def measure(args) -> dict:
             # Without the default expert-id check (trees before it had none), to tell its cost from the rest.
             unchecked = dataclasses.replace(config, check_ids=False)
             variants["ops_config_no_id_check"] = lambda: step(config=unchecked)
+        resolve_parameters = inspect.signature(dv2.DispatchConfig.resolve).parameters
+        if "check_ids" in resolve_parameters:
+            # As the Megatron manager resolves it: its multihot conversion ignores other ranks' weights (not
+            # zeroed), its ids come from torch.topk (valid by construction, not checked).
+            megatron = dv2.DispatchConfig.resolve(**kwargs, mask_foreign_weights=False, check_ids=False)
+            variants["ops_megatron_config"] = lambda: step(config=megatron)
+    # What any differentiable dispatch + combine pays in PyTorch: two identity autograd functions in their place.
+    dispatch_fn, combine_fn = _identity_functions()
+
+    def autograd_floor() -> None:
+        recv_x, recv_w = dispatch_fn.apply(x, w, None)
+        combine_fn.apply(recv_x * recv_w[:, :1], None, None).sum().backward()
+
+    variants["autograd_floor"] = autograd_floor
     # The same step without our layer: the two autograd-free tensor ops the step does itself.
     variants["bare_tensor_ops"] = lambda: (x * w[:, :1]).sum().backward()
     logger.info("timing %s, interleaved (package at %s)", ", ".join(variants), os.path.dirname(dv2.__file__))
@@ -161,10 +224,46 @@ def plot(rows: dict, path: str) -> None:
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(values)), labels, fontsize=6, rotation=60, ha="right")
     ax.set_ylabel("layer host us per dispatch + combine, fwd + bwd")
-    ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds minus bare; lower is better)",
+    ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds [and processes] minus bare; "
+                 "lower is better)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def compare_trees(trees: list[tuple[str, str]], processes: int, args) -> dict:
+    """Runs this tool once per tree, ``processes`` times, alternating the trees, and keeps per tree and variant the
+    smallest and the median layer time over the processes.
+
+    A process of its own per measurement, because two checkouts of the package cannot share one interpreter; many
+    alternating processes, because a machine that changes speed over minutes (this one's CPU does, by up to 2x) then
+    slows every tree alike, and the smallest of the processes is each tree's cost without that interference.
+
+    Returns:
+        Per label, per variant: ``layer_min`` (the smallest over the processes), ``layer_median`` and the list.
+    """
+    samples: dict[str, dict[str, list[float]]] = {label: {} for label, _ in trees}
+    with tempfile.TemporaryDirectory() as scratch:
+        for index in range(processes):
+            for label, tree in trees:
+                out = os.path.join(scratch, f"{label}-{index}")
+                command = [sys.executable, os.path.abspath(__file__), "--out", out, "--label", label, "--iters",
+                           str(args.iters), "--warmup", str(args.warmup), "--no-plot"]
+                if tree != ".":
+                    command += ["--tree", tree]
+                logger.info("process %d/%d: %s (%s)", index + 1, processes, label, tree)
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+                with open(os.path.join(out, "bench_host_overhead.json")) as f:
+                    for variant, result in json.load(f)[label].items():
+                        if "layer_min" in result:
+                            samples[label].setdefault(variant, []).append(result["layer_min"])
+    rows = {label: {variant: {"layer_min": min(values), "layer_median": statistics.median(values), "processes": values}
+                    for variant, values in variants.items()} for label, variants in samples.items()}
+    for label, variants in rows.items():
+        for variant, result in variants.items():
+            logger.info("%-10s %-24s layer: smallest %.1f us, median %.1f us over %d processes", label, variant,
+                        result["layer_min"], result["layer_median"], len(result["processes"]))
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -172,10 +271,40 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--tree", default=None, help="checkout whose megatron_deepepv2 to measure")
     parser.add_argument("--label", default="current")
+    parser.add_argument("--compare", nargs="+", metavar="LABEL=TREE", default=None,
+                        help="measure these checkouts ('.' = this one) in alternating processes instead")
+    parser.add_argument("--processes", type=int, default=6, help="with --compare: processes per checkout")
     parser.add_argument("--iters", type=int, default=30, help="rounds of 10 calls per variant")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_host_overhead.json")
+    rows = json.load(open(path)) if os.path.exists(path) else {}
+    if args.compare:
+        trees = []
+        for item in args.compare:
+            label, sep, tree = item.partition("=")
+            if not sep or not label or not tree:
+                parser.error(f"--compare takes LABEL=TREE items; got {item!r}")
+            trees.append((label, tree))
+        rows.update(compare_trees(trees, args.processes, args))
+    else:
+        rows[args.label] = measure_in_this_process(args)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    logger.info("wrote %s", path)
+    if not args.no_plot:
+        try:
+            plot(rows, os.path.join(args.out, "bench_host_overhead.png"))
+        except ImportError:
+            logger.warning("no PNG: matplotlib is missing (pip install 'megatron-deepepv2[bench]')")
+    return 0
+
+
+def measure_in_this_process(args) -> dict:
+    """Measures the tree ``args.tree`` (default: this checkout) in this process, on a 1-rank gloo group."""
     sys.path.insert(0, os.path.abspath(args.tree) if args.tree else os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
     import torch
@@ -183,21 +312,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        results = measure(args)
+        return measure(args)
     finally:
         dist.destroy_process_group()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_host_overhead.json")
-    rows = json.load(open(path)) if os.path.exists(path) else {}
-    rows[args.label] = results
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    plot(rows, os.path.join(args.out, "bench_host_overhead.png"))
-    logger.info("wrote %s", path)
-    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":
