@@ -223,7 +223,7 @@ def plot(rows: dict, path: str) -> None:
     bars = ax.bar(range(len(values)), values)
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(values)), labels, fontsize=6, rotation=60, ha="right")
-    ax.set_ylabel("layer host us per dispatch + combine, fwd + bwd")
+    ax.set_ylabel("layer host us (dispatch + combine,\nforward + backward)", fontsize=9)
     ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds [and processes] minus bare; "
                  "lower is better)",
                  fontsize=9)
