@@ -205,19 +205,21 @@ class _DispatchFunction(torch.autograd.Function):
         if recv_weights is not None and recv_idx is not None and config.mask_foreign_weights:
             recv_weights = recv_weights.masked_fill(recv_idx < 0, 0.0)
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
+        # What the backward needs, and no more (keeping ``call`` would keep its ids and scales alive until then).
         ctx.handle = out.handle
-        ctx.call = call
+        ctx.streams = (call.async_finish, call.allocate_on_comm_stream)
+        ctx.device = call.topk_idx.device
         call.side_outputs.extend((recv_scales, recv_idx, out.handle))
         return recv_x, recv_weights
 
     @staticmethod
     def backward(ctx: Any, grad_recv_x, grad_recv_weights):
         handle: DispatchHandle = ctx.handle
-        call: _DispatchCall = ctx.call
         backend = handle.backend
+        async_finish, allocate_on_comm_stream = ctx.streams
         if grad_recv_x is None:
             grad_recv_x = torch.zeros(
-                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16, device=call.topk_idx.device
+                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16, device=ctx.device
             )
         # Materialise every communication input before the event is captured.
         grad_recv_x = grad_recv_x.contiguous()
@@ -232,9 +234,9 @@ class _DispatchFunction(torch.autograd.Function):
             grad_recv_x,
             handle,
             grad_weights,
-            async_finish=call.async_finish,
-            allocate_on_comm_stream=call.allocate_on_comm_stream,
-            previous_event=backend.capture_event() if call.allocate_on_comm_stream else None,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            previous_event=backend.capture_event() if allocate_on_comm_stream else None,
         )
         out.event.wait()
         return out.x, out.topk_weights, None
@@ -457,15 +459,16 @@ def _config_for_arguments(arguments: tuple) -> DispatchConfig:
         _resolved_configs.clear()
         _resolved_under[0] = settings
     try:
-        return _resolved_configs[arguments]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable argument: resolve it (and let resolve say what is wrong with it)
-        return DispatchConfig.resolve(**dict(zip(_ARGUMENT_NAMES, arguments)))
-    config = DispatchConfig.resolve(**dict(zip(_ARGUMENT_NAMES, arguments)))
-    if len(_resolved_configs) >= 64:  # callers with ever-changing arguments: keep the cache bounded
-        _resolved_configs.clear()
-    _resolved_configs[arguments] = config
+        config = _resolved_configs.get(arguments)
+        hashable = True
+    except TypeError:  # an unhashable argument: resolve it uncached (and let resolve say what is wrong with it)
+        config, hashable = None, False
+    if config is None:
+        config = DispatchConfig.resolve(**dict(zip(_ARGUMENT_NAMES, arguments)))
+        if hashable:
+            if len(_resolved_configs) >= 64:  # callers with ever-changing arguments: keep the cache bounded
+                _resolved_configs.clear()
+            _resolved_configs[arguments] = config
     return config
 
 
