@@ -70,12 +70,32 @@ _Key = tuple[str, dist.ProcessGroup, int, int, bool, bool, int]
 _buffers: dict[_Key, DispatchBackend] = {}
 #: Superseded buffers per group, in retirement order, until no handle uses them.
 _retired: dict[dist.ProcessGroup, list[DispatchBackend]] = {}
-#: Weak references to the dispatch handles of each buffer (a handle dropped by its last user dies by itself; its
-#: dead reference is pruned in bulk, see track_handle).
-_handles: dict[DispatchBackend, list[weakref.ref]] = {}
-#: A buffer's reference list is pruned when it grows past this many entries (then past twice the live ones).
+#: A buffer's handle records are pruned when they grow past this many entries (then past twice the live ones).
 _PRUNE_AT = 64
-_prune_at: dict[DispatchBackend, int] = {}
+
+
+class _HandleRecords:
+    """Weak references to the dispatch handles of one buffer: a handle dropped by its last user dies by itself, and
+    its dead reference is pruned in bulk once the list doubles (O(1) per dispatch, amortised)."""
+
+    __slots__ = ("refs", "prune_at")
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+        self.prune_at = _PRUNE_AT
+
+    def add(self, handle) -> None:
+        self.refs.append(weakref.ref(handle))  # no callback: the cheapest record there is
+        if len(self.refs) > self.prune_at:
+            self.refs = [ref for ref in self.refs if ref() is not None]
+            self.prune_at = max(_PRUNE_AT, 2 * len(self.refs))
+
+    def any_alive(self) -> bool:
+        return any(ref() is not None for ref in self.refs)
+
+
+#: Handle records of each buffer.
+_handles: dict[DispatchBackend, _HandleRecords] = {}
 _stats = BufferStats()
 #: Builds per group so far: names each build's rendezvous point, the same on every rank.
 _builds: dict[dist.ProcessGroup, int] = {}
@@ -192,25 +212,21 @@ def track_handle(handle) -> None:
     Args:
         handle: A :class:`~megatron_deepepv2.backends.base.DispatchHandle` just returned by a dispatch.
     """
-    buffer = handle.backend
-    refs = _handles.get(buffer)
-    if refs is None:
-        refs = _handles[buffer] = []
-    refs.append(weakref.ref(handle))  # a weak reference per call, no callback: the cheapest record there is
-    if len(refs) > _prune_at.get(buffer, _PRUNE_AT):
-        refs[:] = [ref for ref in refs if ref() is not None]
-        _prune_at[buffer] = max(_PRUNE_AT, 2 * len(refs))  # pruning stays O(1) per call, amortised
+    records = _handles.get(handle.backend)
+    if records is None:
+        records = _handles[handle.backend] = _HandleRecords()
+    records.add(handle)
 
 
 def _in_use(buffer: DispatchBackend) -> bool:
-    return any(ref() is not None for ref in _handles.get(buffer, ()))
+    records = _handles.get(buffer)
+    return records is not None and records.any_alive()
 
 
 def _forget(buffer: DispatchBackend) -> None:
     """Destroys ``buffer`` (collective) and drops its handle records."""
     buffer.destroy()
     _handles.pop(buffer, None)
-    _prune_at.pop(buffer, None)
 
 
 def _release_unused(group: dist.ProcessGroup) -> None:

@@ -29,7 +29,7 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     kept = [_dispatch(1, hidden=8) for _ in range(3)]
     for _ in range(300):
         _dispatch(1, hidden=8)
-    records = buffers._handles[first]
+    records = buffers._handles[first].refs
     assert len(records) <= 2 * buffers._PRUNE_AT, len(records)
     assert {id(ref()) for ref in records if ref() is not None} == {id(result.handle) for result in kept}
     del kept
