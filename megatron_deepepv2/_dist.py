@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import socket
 import time
 from typing import Optional, Sequence
 
@@ -15,6 +16,13 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the rendezvous of processes this one starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 _group_sizes: dict[dist.ProcessGroup, int] = {}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_deepepv2._dist import free_port
 
 logger = logging.getLogger("megatron_deepepv2.demo")
 
@@ -148,12 +149,6 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv=None) -> int:
     """Parses arguments and launches the ranks. Returns 0 when the loss trajectories match."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,7 +173,7 @@ def main(argv=None) -> int:
         # on it, and the CPU shims step aside where CUDA is visible. Spawned ranks inherit this.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        mp.spawn(_worker, args=(config.nproc, _free_port(), config, on_gpu), nprocs=config.nproc, join=True)
+        mp.spawn(_worker, args=(config.nproc, free_port(), config, on_gpu), nprocs=config.nproc, join=True)
     except mp.ProcessExitedException as error:
         print(f"demo failed: {error}")
         return 1

@@ -321,6 +321,8 @@ def measure_in_this_process(args) -> dict:
 
 
 def _free_port() -> int:
+    # Not megatron_deepepv2._dist.free_port: this process may measure another checkout, whose package it imports
+    # only once the tree is on the path (and older trees lack that helper).
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

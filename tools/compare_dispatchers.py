@@ -31,7 +31,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -357,10 +356,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch.multiprocessing as mp  # noqa: PLC0415
 
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU ranks (spawned, they inherit it) must not see a GPU
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(_cpu_worker, args=(2, port, args), nprocs=2, join=True)
+        from megatron_deepepv2._dist import free_port  # noqa: PLC0415
+
+        mp.spawn(_cpu_worker, args=(2, free_port(), args), nprocs=2, join=True)
         return 0
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
