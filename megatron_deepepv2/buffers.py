@@ -84,11 +84,10 @@ class _HandleRecords:
         self.refs: list[weakref.ref] = []
         self.prune_at = _PRUNE_AT
 
-    def add(self, handle) -> None:
-        self.refs.append(weakref.ref(handle))  # no callback: the cheapest record there is
-        if len(self.refs) > self.prune_at:
-            self.refs = [ref for ref in self.refs if ref() is not None]
-            self.prune_at = max(_PRUNE_AT, 2 * len(self.refs))
+    def prune(self) -> None:
+        """Drops the references of dead handles (called by :func:`track_handle` once the list doubled)."""
+        self.refs = [ref for ref in self.refs if ref() is not None]
+        self.prune_at = max(_PRUNE_AT, 2 * len(self.refs))
 
     def any_alive(self) -> bool:
         return any(ref() is not None for ref in self.refs)
@@ -215,7 +214,10 @@ def track_handle(handle) -> None:
     records = _handles.get(handle.backend)
     if records is None:
         records = _handles[handle.backend] = _HandleRecords()
-    records.add(handle)
+    refs = records.refs  # appended here, not in a method: this runs every dispatch
+    refs.append(weakref.ref(handle))  # no callback: the cheapest record there is
+    if len(refs) > records.prune_at:
+        records.prune()
 
 
 def _in_use(buffer: DispatchBackend) -> bool:

@@ -232,7 +232,8 @@ class DispatchOutput(NamedTuple):
         recv_topk_weights: Compact: ``[N, K]`` fp32 weights as sent. Expand: ``[N]`` fp32, one per row.
             None when no weights were dispatched.
         handle: The dispatch handle.
-        event: Completion event; wait on it before reading the outputs when ``async_finish`` was set.
+        event: Completion event; wait on it before reading the outputs when ``async_finish`` was set. Without
+            ``async_finish`` the outputs are ready in stream order when the call returns (callers do not wait).
     """
 
     recv_x: HiddenStates
@@ -248,7 +249,7 @@ class CombineOutput(NamedTuple):
     Attributes:
         x: ``[T, H]`` sum of each token's expert outputs.
         topk_weights: ``[T, K]`` fp32 weights gathered per top-k slot, or None when none were passed.
-        event: Completion event.
+        event: Completion event, as :class:`DispatchOutput`'s.
     """
 
     x: torch.Tensor

@@ -46,13 +46,19 @@ def _check_torch_deterministic() -> None:
 
 
 class _EventOverlap:
+    #: Every event handed out, so that a test can check that each asynchronous one was waited on.
+    created: list = []
+
     def __init__(self, is_async: bool, log: list) -> None:
         self.is_async, self.log = is_async, log
+        self.waited = False
+        _EventOverlap.created.append(self)
 
     def current_stream_wait(self) -> None:
         _check_torch_deterministic()
         assert self.is_async, "DeepEP asserts: EventOverlap.event is None without async_with_compute_stream"
         self.log.append("wait")
+        self.waited = True
 
 
 class _DenseStandIn:
@@ -291,12 +297,16 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
         assert torch.equal(cached.recv_x, reference.cached_dispatch(problem.grad_out[rows], want.handle).recv_x)
         # The autograd op with DeepEP's stream flags: previous event passed, async events waited.
         stand_in.calls.clear()
+        _EventOverlap.created.clear()
         xg = x.clone().requires_grad_()
         config = ops.DispatchConfig(backend=DeepEPBackend, layout=layout, expert_alignment=4,
                                     zero_padding=layout is ExpertLayout.EXPAND, host_sync=host_sync)
         out = ops._apply_dispatch(backend, xg, None, idx, w, 8, config, (True, True))
         y = ops._CombineFunction.apply(out[0], out[-1], (True, True))
         y.sum().backward()
+        # Dispatch, combine, and in the backward the cached dispatch and the combine: every one asynchronous, and
+        # every one waited on before its outputs were used.
+        assert len(_EventOverlap.created) == 4 and all(e.is_async and e.waited for e in _EventOverlap.created)
         for call in stand_in.calls:
             assert call["prev"] == "event-handle" and call["alloc"]
             assert call["num_sms"] == sms, call
