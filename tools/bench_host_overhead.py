@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time the deepepv2 layer adds per dispatch + combine (forward + backward), over a zero-cost backend.
 
-The backend moves nothing (its dispatch hands the tokens back as received rows), so what is timed is the
+The backend moves nothing (it hands its inputs back as its outputs), so what is timed is the
 package's own host work per step: settings, backend and buffer resolution, input checks, the autograd ops and
 handle bookkeeping. Runs on the CPU in one process (a 1-rank gloo group), on tiny tensors, interleaving the
 variants round by round, and reports the median and the minimum microseconds per step of:
@@ -14,10 +14,16 @@ variants round by round, and reports the median and the minimum microseconds per
 * ``ops_megatron_config``: ``DispatchConfig`` as the Megatron manager resolves it: other ranks' weights not zeroed
   (``mask_foreign_weights=False``: its multihot conversion ignores them) and no id check (``check_ids=False``: its ids
   come from ``torch.topk``, valid by construction);
+* ``backend_floor``: two minimal autograd functions that call the zero-cost backend's contract directly, with
+  none of the package's configuration, checks, buffer lookup or handle records: the least any dispatch + combine
+  over this backend costs, ours or not;
 * ``autograd_floor``: two identity autograd functions in place of dispatch and combine: what PyTorch charges any
   Python-level differentiable dispatch + combine, the part of the layer no code of ours can remove;
 * ``bare_tensor_ops``: the step's own tensor ops without the layer. ``layer_min`` = a variant's minimum minus
   this one's: the layer's host time.
+
+The step hands the layer's output a dense upstream gradient (what the model above an MoE layer hands back) and
+keeps its process group resolved (as the Megatron manager does); each round warms its variant up before timing it.
 
 Prints progress, writes ``bench_host_overhead.json`` and ``bench_host_overhead.png`` to ``--out``. ``--tree``
 measures another checkout of the package (e.g. an older commit in a git worktree) with the same harness;
@@ -26,29 +32,39 @@ one's smallest and median layer time over its processes (what docs/benchmarks.md
 
     python tools/bench_host_overhead.py --out bench_out [--tree /path/to/older/checkout --label before]
     taskset -c 5 python tools/bench_host_overhead.py --out bench_out --compare before=/path/to/older now=.
+
+``--instructions`` counts the CPU instructions of one step of each variant instead (valgrind's callgrind, each
+variant in its own process), which do not change with the machine's load: it writes
+``bench_host_instructions.json`` and ``.png``::
+
+    python tools/bench_host_overhead.py --out bench_out --instructions --compare before=/path/to/older now=.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import gc
 import inspect
 import json
 import logging
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger("bench_host_overhead")
 
 
 def _zero_cost_backend(base, handle_cls, outputs):
-    """A backend that returns its inputs as the received rows: no communication, no copies."""
+    """A backend that returns its inputs as its outputs: no communication, no copies, no tensor op (autograd
+    itself makes an output that is an input a view, as it must for any differentiable op)."""
     DispatchBackend, BackendLimits, CompletedEvent = base
     DispatchOutput, CombineOutput = outputs
     import torch
@@ -71,7 +87,7 @@ def _zero_cost_backend(base, handle_cls, outputs):
             handle = handle_cls(backend=self, **fields)
             # One rank holds every expert, so the global ids are the local ones: no op to rewrite them.
             recv_idx = topk_idx if local == num_experts else topk_idx.clamp(max=local - 1)
-            return DispatchOutput(x.view_as(x), recv_idx, topk_weights, handle, CompletedEvent())
+            return DispatchOutput(x, recv_idx, topk_weights, handle, CompletedEvent())
 
         @staticmethod
         def _handle_fields(num_tokens, num_topk, num_experts, local, layout, expert_alignment, zero_padding,
@@ -90,11 +106,11 @@ def _zero_cost_backend(base, handle_cls, outputs):
 
         def cached_dispatch(self, x, handle, topk_weights=None, *, async_finish=False, allocate_on_comm_stream=False,
                             previous_event=None):
-            return DispatchOutput(x.view_as(x), None, topk_weights, handle, CompletedEvent())
+            return DispatchOutput(x, None, topk_weights, handle, CompletedEvent())
 
         def combine(self, x, handle, topk_weights=None, *, async_finish=False, allocate_on_comm_stream=False,
                     previous_event=None):
-            return CombineOutput(x.view_as(x), topk_weights, CompletedEvent())
+            return CombineOutput(x, topk_weights, CompletedEvent())
 
     return ZeroCostBackend
 
@@ -126,10 +142,47 @@ def _identity_functions():
     return IdentityDispatch, IdentityCombine
 
 
-def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: int,
-                  calls: int = 10) -> dict[str, dict[str, float]]:
+def _backend_only_functions():
+    """A dispatch and a combine that call the backend contract directly, with none of the package's work around it
+    (no configuration, checks, buffer lookup, handle records): what any autograd dispatch + combine over this backend
+    costs at the least."""
+    import torch
+
+    class BackendDispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weights, call):
+            buffer, topk_idx, num_experts, layout, handles = call
+            out = buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, layout=layout)
+            ctx.handle = out.handle
+            handles.append(out.handle)
+            return out.recv_x, out.recv_topk_weights
+
+        @staticmethod
+        def backward(ctx, grad_x, grad_weights):
+            out = ctx.handle.backend.combine(grad_x, ctx.handle, grad_weights)
+            return out.x, out.topk_weights, None
+
+    class BackendCombine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, handle):
+            ctx.handle = handle
+            return handle.backend.combine(x, handle).x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return ctx.handle.backend.cached_dispatch(grad, ctx.handle).recv_x, None
+
+    return BackendDispatch, BackendCombine
+
+
+def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: int, calls: int = 10,
+                  settle: int = 3) -> dict[str, dict[str, float]]:
     """Microseconds per call of each variant: ``rounds`` rounds of ``calls`` calls, the variants interleaved round
     by round, so that a machine that changes speed during the run slows them all alike.
+
+    Each round first runs ``settle`` untimed calls of the variant: the first calls after another variant's run
+    find their code and data out of the CPU's caches and cost several times a warm call, which would charge
+    whichever variant the previous one differs from most (a ~15 us bias on ten calls).
 
     Returns:
         Per variant, the ``median`` and the ``min`` over the rounds (the minimum is the cost without interference
@@ -141,6 +194,8 @@ def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: 
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, step in variants.items():
+            for _ in range(settle):
+                step()
             start = time.perf_counter()
             for _ in range(calls):
                 step()
@@ -148,7 +203,9 @@ def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: 
     return {name: {"median": statistics.median(values), "min": min(values)} for name, values in samples.items()}
 
 
-def measure(args) -> dict:
+def build_variants() -> dict[str, Callable[[], None]]:
+    """The steps to time, one per variant (see the module docstring), over the package on ``sys.path``; the last one
+    is ``bare_tensor_ops``, which the others' layer time is relative to."""
     import torch
     import torch.distributed as dist
 
@@ -165,12 +222,16 @@ def measure(args) -> dict:
     x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
     idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
     w = torch.rand(tokens, topk, generator=gen).requires_grad_()
+    # What the layer's output gets back from the model above it: a dense gradient (a loss's ``sum().backward()``
+    # would hand back a stride-0 one, whose contiguous copy before the cached dispatch no model pays).
+    upstream_grad = torch.randn(tokens, hidden, generator=gen)
+    group = dist.group.WORLD  # resolved once, as the Megatron manager holds its group
     kwargs = dict(layout="compact", backend="zero-cost", num_sms=0, host_sync=True, deterministic=False)
 
     def step(**dispatch_kwargs) -> None:
-        out = dv2.dispatch(x, idx, w, experts, group=dist.group.WORLD, **dispatch_kwargs)
+        out = dv2.dispatch(x, idx, w, experts, group=group, **dispatch_kwargs)
         y = dv2.combine(out.recv_x * out.recv_topk_weights[:, :1], out.handle)
-        y.sum().backward()
+        y.backward(upstream_grad)
 
     variants = {"ops_resolved_per_call": lambda: step(**kwargs)}
     if hasattr(dv2, "DispatchConfig"):
@@ -186,16 +247,35 @@ def measure(args) -> dict:
             # zeroed), its ids come from torch.topk (valid by construction, not checked).
             megatron = dv2.DispatchConfig.resolve(**kwargs, mask_foreign_weights=False, check_ids=False)
             variants["ops_megatron_config"] = lambda: step(config=megatron)
+    # The backend contract called directly: the least any dispatch + combine over this backend costs.
+    buffer = dv2.dispatch(x, idx, w, experts, group=group, **kwargs).handle.backend
+    backend_dispatch, backend_combine = _backend_only_functions()
+    layout = base.ExpertLayout.COMPACT
+
+    def backend_floor() -> None:
+        handles: list = []
+        recv_x, recv_w = backend_dispatch.apply(x, w, (buffer, idx, experts, layout, handles))
+        backend_combine.apply(recv_x * recv_w[:, :1], handles[0]).backward(upstream_grad)
+
+    variants["backend_floor"] = backend_floor
     # What any differentiable dispatch + combine pays in PyTorch: two identity autograd functions in their place.
     dispatch_fn, combine_fn = _identity_functions()
 
     def autograd_floor() -> None:
         recv_x, recv_w = dispatch_fn.apply(x, w, None)
-        combine_fn.apply(recv_x * recv_w[:, :1], None, None).sum().backward()
+        combine_fn.apply(recv_x * recv_w[:, :1], None, None).backward(upstream_grad)
 
     variants["autograd_floor"] = autograd_floor
     # The same step without our layer: the two autograd-free tensor ops the step does itself.
-    variants["bare_tensor_ops"] = lambda: (x * w[:, :1]).sum().backward()
+    variants["bare_tensor_ops"] = lambda: (x * w[:, :1]).backward(upstream_grad)
+    return variants
+
+
+def measure(args) -> dict:
+    """Times every variant in this process; ``layer_min`` = a variant's minimum minus bare's."""
+    import megatron_deepepv2 as dv2
+
+    variants = build_variants()
     logger.info("timing %s, interleaved (package at %s)", ", ".join(variants), os.path.dirname(dv2.__file__))
     results = time_variants(variants, args.iters, args.warmup)
     bare = results["bare_tensor_ops"]["min"]
@@ -207,7 +287,7 @@ def measure(args) -> dict:
     return results
 
 
-def plot(rows: dict, path: str) -> None:
+def plot(rows: dict, path: str, key: str = "layer_min") -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -215,18 +295,22 @@ def plot(rows: dict, path: str) -> None:
 
     labels, values = [], []
     for label, result in rows.items():
-        for key, value in result.items():
-            if "layer_min" in value:
-                labels.append(f"{label}\n{key}")
-                values.append(value["layer_min"])
+        for variant, value in result.items():
+            if key in value:
+                labels.append(f"{label}\n{variant}")
+                values.append(value[key] / 1000 if key == "layer_instructions" else value[key])
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
     bars = ax.bar(range(len(values)), values)
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(values)), labels, fontsize=6, rotation=60, ha="right")
-    ax.set_ylabel("layer host us (dispatch + combine,\nforward + backward)", fontsize=9)
-    ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds [and processes] minus bare; "
-                 "lower is better)",
-                 fontsize=9)
+    if key == "layer_instructions":
+        ax.set_ylabel("layer CPU instructions per step, thousands\n(dispatch + combine, forward + backward)", fontsize=9)
+        ax.set_title("deepepv2 host work over a zero-cost backend (callgrind; step minus bare; lower is better)",
+                     fontsize=9)
+    else:
+        ax.set_ylabel("layer host us (dispatch + combine,\nforward + backward)", fontsize=9)
+        ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds [and processes] minus bare; "
+                     "lower is better)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -266,6 +350,93 @@ def compare_trees(trees: list[tuple[str, str]], processes: int, args) -> dict:
     return rows
 
 
+def run_counted_steps(args) -> None:
+    """Child of :func:`count_instructions`, running under callgrind with instrumentation off: warms up the variant
+    ``args.count_variant``, then runs ``args.steps`` steps and ``3 * args.steps`` more, dumping the counts after
+    each batch (``callgrind_control`` switches the instrumentation on and off around them)."""
+    variants = build_variants()
+    step = variants[args.count_variant]
+    for _ in range(args.warmup):
+        step()
+    gc.collect()
+
+    def control(*options: str) -> None:
+        subprocess.run(["callgrind_control", *options, str(os.getpid())], check=True, capture_output=True)
+
+    control("--instr=on")
+    for _ in range(args.steps):
+        step()
+    control("--dump=first")
+    for _ in range(3 * args.steps):
+        step()
+    control("--dump=second")
+    control("--instr=off")
+
+
+def _dumped_instructions(path: str) -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise RuntimeError(f"{path} holds no instruction total: is it a callgrind dump?")
+
+
+def count_instructions(trees: list[tuple[str, str]], args) -> dict:
+    """CPU instructions per step of every variant of every tree, counted by valgrind's callgrind.
+
+    Unlike time, the count does not change with the machine's load or clock: it tells apart differences of a few
+    percent that the timing's noise hides. Each (tree, variant) runs in its own process; only the steps are
+    counted (between two dumps, ``steps`` and ``3 * steps`` steps after warm-up, so that what the dumps themselves
+    cost cancels), and a variant's ``layer_instructions`` is its count minus ``bare_tensor_ops``'s.
+
+    Returns:
+        Per label, per variant: ``instructions`` and ``layer_instructions`` per step.
+    """
+    for needed in ("valgrind", "callgrind_control"):
+        if shutil.which(needed) is None:
+            raise SystemExit(f"--instructions needs valgrind's {needed} on PATH (e.g. apt-get install valgrind).")
+    tool = os.path.abspath(__file__)
+    jobs = []
+    for label, tree in trees:
+        tree_args = [] if tree == "." else ["--tree", tree]
+        listed = subprocess.run([sys.executable, tool, "--list-variants", *tree_args], check=True,
+                                capture_output=True, text=True)
+        variants = json.loads(listed.stdout.splitlines()[-1])
+        if args.variants:
+            unknown = sorted(set(args.variants) - set(variants))
+            if unknown:
+                raise SystemExit(f"--variants: {unknown} are not variants of {label} ({', '.join(variants)})")
+            variants = [variant for variant in variants if variant in args.variants]
+        if "bare_tensor_ops" not in variants:
+            raise SystemExit("--variants must include bare_tensor_ops: the layer counts are relative to it")
+        jobs += [(label, tree_args, variant) for variant in variants]
+
+    def count(job: tuple[str, list[str], str]) -> tuple[str, str, float]:
+        label, tree_args, variant = job
+        with tempfile.TemporaryDirectory() as scratch:
+            out_file = os.path.join(scratch, "callgrind.out")
+            subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
+                            sys.executable, tool, "--count-variant", variant, "--steps", str(args.steps),
+                            "--warmup", str(args.warmup), *tree_args],
+                           check=True, capture_output=True)
+            first, second = (_dumped_instructions(f"{out_file}.{part}") for part in (1, 2))
+        per_step = (second - first) / (2 * args.steps)
+        logger.info("%-10s %-24s %9.0f instructions per step", label, variant, per_step)
+        return label, variant, per_step
+
+    logger.info("counting %d (tree, variant) runs under callgrind, %d at a time", len(jobs), args.jobs)
+    rows: dict[str, dict[str, dict[str, float]]] = {label: {} for label, _ in trees}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for label, variant, per_step in pool.map(count, jobs):
+            rows[label][variant] = {"instructions": per_step}
+    for label, variants in rows.items():
+        bare = variants["bare_tensor_ops"]["instructions"]
+        for variant, result in variants.items():
+            if variant != "bare_tensor_ops":
+                result["layer_instructions"] = result["instructions"] - bare
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out")
@@ -276,35 +447,51 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--processes", type=int, default=6, help="with --compare: processes per checkout")
     parser.add_argument("--iters", type=int, default=30, help="rounds of 10 calls per variant")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count CPU instructions per step under valgrind's callgrind instead of timing (writes "
+                             "bench_host_instructions.json/png; with --compare, for every checkout)")
+    parser.add_argument("--steps", type=int, default=100, help="with --instructions: steps per counted batch")
+    parser.add_argument("--jobs", type=int, default=2, help="with --instructions: callgrind runs at a time")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="with --instructions: count only these variants (bare_tensor_ops among them)")
     parser.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--list-variants", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count-variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.list_variants or args.count_variant:  # children of --instructions
+        in_one_rank_group(args, lambda: print(json.dumps(list(build_variants()))) if args.list_variants
+                          else run_counted_steps(args))
+        return 0
+    trees = []
+    for item in args.compare or []:
+        label, sep, tree = item.partition("=")
+        if not sep or not label or not tree:
+            parser.error(f"--compare takes LABEL=TREE items; got {item!r}")
+        trees.append((label, tree))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_host_overhead.json")
+    name = "bench_host_instructions" if args.instructions else "bench_host_overhead"
+    path = os.path.join(args.out, f"{name}.json")
     rows = json.load(open(path)) if os.path.exists(path) else {}
-    if args.compare:
-        trees = []
-        for item in args.compare:
-            label, sep, tree = item.partition("=")
-            if not sep or not label or not tree:
-                parser.error(f"--compare takes LABEL=TREE items; got {item!r}")
-            trees.append((label, tree))
+    if args.instructions:
+        rows.update(count_instructions(trees or [(args.label, args.tree or ".")], args))
+    elif trees:
         rows.update(compare_trees(trees, args.processes, args))
     else:
-        rows[args.label] = measure_in_this_process(args)
+        rows[args.label] = in_one_rank_group(args, lambda: measure(args))
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     logger.info("wrote %s", path)
     if not args.no_plot:
         try:
-            plot(rows, os.path.join(args.out, "bench_host_overhead.png"))
+            plot(rows, os.path.join(args.out, f"{name}.png"), "layer_instructions" if args.instructions else "layer_min")
         except ImportError:
             logger.warning("no PNG: matplotlib is missing (pip install 'megatron-deepepv2[bench]')")
     return 0
 
 
-def measure_in_this_process(args) -> dict:
-    """Measures the tree ``args.tree`` (default: this checkout) in this process, on a 1-rank gloo group."""
+def in_one_rank_group(args, work: Callable[[], Any]) -> Any:
+    """Runs ``work`` over the tree ``args.tree`` (default: this checkout) in this process, on a 1-rank gloo group."""
     sys.path.insert(0, os.path.abspath(args.tree) if args.tree else os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
     import torch
@@ -315,7 +502,7 @@ def measure_in_this_process(args) -> dict:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        return measure(args)
+        return work()
     finally:
         dist.destroy_process_group()
 

@@ -1,15 +1,20 @@
-"""``tools/bench_host_overhead.py --compare``: every tree is measured in its own processes, every variant reported."""
+"""``tools/bench_host_overhead.py``: ``--compare`` measures every tree in its own processes and reports every variant;
+``--instructions`` counts each variant's instructions under callgrind."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_host_overhead.py"
-VARIANTS = {"ops_resolved_per_call", "ops_config", "ops_config_no_id_check", "ops_megatron_config", "autograd_floor"}
+VARIANTS = {"ops_resolved_per_call", "ops_config", "ops_config_no_id_check", "ops_megatron_config", "backend_floor",
+            "autograd_floor"}
 
 
 def test_compare_measures_each_tree_in_its_own_processes(tmp_path: Path) -> None:
@@ -23,3 +28,17 @@ def test_compare_measures_each_tree_in_its_own_processes(tmp_path: Path) -> None
         for name, result in variants.items():
             assert len(result["processes"]) == 2 and all(math.isfinite(v) for v in result["processes"]), (label, name)
             assert result["layer_min"] == min(result["processes"]), (label, name)
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None or shutil.which("callgrind_control") is None,
+                    reason="--instructions needs valgrind (callgrind) on PATH")
+def test_instructions_counts_each_variant_relative_to_bare(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path), "--instructions", "--variants",
+                    "bare_tensor_ops", "autograd_floor", "--steps", "3", "--warmup", "2", "--no-plot"], check=True,
+                   timeout=280, capture_output=True)
+    (variants,) = json.loads((tmp_path / "bench_host_instructions.json").read_text()).values()
+    assert set(variants) == {"bare_tensor_ops", "autograd_floor"}
+    bare, floor = variants["bare_tensor_ops"], variants["autograd_floor"]
+    # A step runs tens of thousands of instructions at least; two autograd functions add more than none.
+    assert 10_000 < bare["instructions"] < 10_000_000 and "layer_instructions" not in bare
+    assert floor["layer_instructions"] == floor["instructions"] - bare["instructions"] > 0
