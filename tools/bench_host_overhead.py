@@ -373,6 +373,14 @@ def run_counted_steps(args) -> None:
     control("--instr=off")
 
 
+def _run_child(command: list[str], what: str) -> str:
+    """Runs ``command``; returns its stdout, or raises with the end of its stderr when it fails."""
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    return run.stdout
+
+
 def _dumped_instructions(path: str) -> int:
     with open(path) as f:
         for line in f:
@@ -399,9 +407,8 @@ def count_instructions(trees: list[tuple[str, str]], args) -> dict:
     jobs = []
     for label, tree in trees:
         tree_args = [] if tree == "." else ["--tree", tree]
-        listed = subprocess.run([sys.executable, tool, "--list-variants", *tree_args], check=True,
-                                capture_output=True, text=True)
-        variants = json.loads(listed.stdout.splitlines()[-1])
+        listed = _run_child([sys.executable, tool, "--list-variants", *tree_args], f"listing the variants of {label}")
+        variants = json.loads(listed.splitlines()[-1])
         if args.variants:
             unknown = sorted(set(args.variants) - set(variants))
             if unknown:
@@ -415,10 +422,9 @@ def count_instructions(trees: list[tuple[str, str]], args) -> dict:
         label, tree_args, variant = job
         with tempfile.TemporaryDirectory() as scratch:
             out_file = os.path.join(scratch, "callgrind.out")
-            subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
-                            sys.executable, tool, "--count-variant", variant, "--steps", str(args.steps),
-                            "--warmup", str(args.warmup), *tree_args],
-                           check=True, capture_output=True)
+            _run_child(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}",
+                        sys.executable, tool, "--count-variant", variant, "--steps", str(args.steps), "--warmup",
+                        str(args.warmup), *tree_args], f"counting {label} {variant}")
             first, second = (_dumped_instructions(f"{out_file}.{part}") for part in (1, 2))
         per_step = (second - first) / (2 * args.steps)
         logger.info("%-10s %-24s %9.0f instructions per step", label, variant, per_step)
@@ -469,6 +475,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not sep or not label or not tree:
             parser.error(f"--compare takes LABEL=TREE items; got {item!r}")
         trees.append((label, tree))
+    for tree in [tree for _, tree in trees] + ([args.tree] if args.tree else []):
+        if not os.path.isdir(os.path.join(tree, "megatron_deepepv2")):
+            parser.error(f"{tree!r} is not a checkout of this package (it has no megatron_deepepv2/ folder)")
     os.makedirs(args.out, exist_ok=True)
     name = "bench_host_instructions" if args.instructions else "bench_host_overhead"
     path = os.path.join(args.out, f"{name}.json")

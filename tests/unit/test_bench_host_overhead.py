@@ -42,3 +42,12 @@ def test_instructions_counts_each_variant_relative_to_bare(tmp_path: Path) -> No
     # A step runs tens of thousands of instructions at least; two autograd functions add more than none.
     assert 10_000 < bare["instructions"] < 10_000_000 and "layer_instructions" not in bare
     assert floor["layer_instructions"] == floor["instructions"] - bare["instructions"] > 0
+
+
+def test_a_tree_that_is_not_a_checkout_is_refused(tmp_path: Path) -> None:
+    # Otherwise the installed package would be measured under the other tree's label.
+    for mode in ([], ["--instructions"]):
+        run = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path), *mode, "--compare", "now=.",
+                              f"other={tmp_path}", "--no-plot"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and "is not a checkout of this package" in run.stderr, run.stderr
+    assert not (tmp_path / "bench_host_overhead.json").exists()
