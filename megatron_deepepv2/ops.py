@@ -24,6 +24,7 @@ Python autograd functions.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
@@ -441,10 +442,11 @@ def _with_peer_failures(error: Exception, group: dist.ProcessGroup) -> Exception
                         f"{error}")
 
 
-#: dispatch()'s defaults of the arguments a DispatchConfig replaces.
-_CONFIG_ARGUMENT_DEFAULTS = (None, ExpertLayout.COMPACT, 1, False, None, None, None, None)
+#: The arguments of dispatch() that a DispatchConfig replaces, in the order dispatch() packs them, and their defaults
+#: (read from its signature, so that they cannot drift from it).
 _ARGUMENT_NAMES = ("backend", "layout", "expert_alignment", "zero_padding", "num_max_tokens_per_rank", "num_sms",
                    "host_sync", "deterministic")
+_CONFIG_ARGUMENT_DEFAULTS = tuple(inspect.signature(dispatch).parameters[name].default for name in _ARGUMENT_NAMES)
 #: Configurations resolved for dispatch() calls without ``config=``, per argument tuple, under the settings object
 #: they were resolved with (configure() replaces that object, which empties the cache).
 _resolved_configs: dict[tuple, DispatchConfig] = {}
