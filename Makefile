@@ -16,14 +16,6 @@ COMPAT_MCORE ?= 0.17.1 0.18.2
 COMPAT_DIR := .compat
 COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_no_host_sync.py tests/unit/test_ep_overlap.py \
   tests/unit/test_run_entry_point.py tests/unit/test_demo.py
-# Cases in those files that never touch Megatron's code paths (the ops alone, the entry point's usage errors), and for
-# CI time repeats of a Megatron path another case covers (the overlap test's expand cases, the no-host-sync layer at a
-# second alignment and its graph-retention checks, the entry point's negative control): make test runs them all, the
-# compat runs skip these.
-COMPAT_DESELECT := -k "not test_no_host_sync_roundtrip and not test_no_host_sync_cached_dispatch_and_fp8 \
-  and not (test_combined_1f1b and expand) and not test_usage_errors and not test_without_the_plugin \
-  and not test_dispatcher_keeps_no_autograd_graph and not test_moe_layer_without_host_sync_matches_alltoall[16]"
-
 # A Megatron-LM source tree whose megatron-core ships its own deepepv2 (e.g. its dev branch), for make test-native.
 MEGATRON_LM ?=
 
@@ -57,14 +49,14 @@ test-compat: $(STAMP)
 	  echo "== megatron-core $$v"; \
 	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -c "import importlib.metadata as m, megatron.core; \
 	    assert m.version('megatron-core') == '$$v', m.version('megatron-core')" || exit 1; \
-	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n auto -q $(COMPAT_TESTS) $(COMPAT_DESELECT) || exit 1; \
+	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n auto -q $(COMPAT_TESTS) || exit 1; \
 	done
 
 # Coexistence with a native deepepv2: the policy tests, then the Megatron-facing tests, against MEGATRON_LM's tree.
 test-native: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-native MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
 	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q -rs tests/unit/test_native_megatron.py
-	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q $(COMPAT_TESTS) $(COMPAT_DESELECT)
+	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q $(COMPAT_TESTS)
 
 clean:
 	rm -rf .venv $(COMPAT_DIR) build *.egg-info  # never an environment given as VENV=

@@ -1,9 +1,9 @@
 """Multi-process test harness: runs a function on N gloo ranks and returns what each rank returned.
 
-Ranks are forked from a forkserver that has already imported torch and this package, so a multi-rank
-test costs well under a second of start-up. Every run has a timeout: a hang fails the test instead of
-blocking CI, and leftover processes are killed. A failure on any rank is re-raised with that rank's
-traceback.
+Ranks are forked from a forkserver that has already imported torch, this package and Megatron (where installed),
+so a multi-rank test costs well under a second of start-up. Every run has a timeout: a hang fails the test instead
+of blocking CI, and leftover processes are killed. A failure on any rank is re-raised with that rank's traceback.
+The ranks leave together: rank 0, whose process serves the store, stays until every rank is done with it.
 """
 
 from __future__ import annotations
@@ -18,14 +18,30 @@ from datetime import timedelta
 from typing import Any, Callable
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron_deepepv2"])
+# What the ranks would import: Megatron (where installed; a missing module is skipped) takes seconds per rank, so the
+# server imports it once. Tests that must import Megatron themselves (from another tree) ask for a fresh interpreter.
+_CONTEXT.set_forkserver_preload([
+    "torch",
+    "torch.distributed",
+    "megatron_deepepv2",
+    "megatron.core.parallel_state",
+    "megatron.core.transformer.transformer_config",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.gpt.fine_grained_callables",
+])
 # Ranks that use the GPU start from a fresh interpreter: CUDA state must not be inherited through a fork.
-_CUDA_CONTEXT = mp.get_context("spawn")
+_SPAWN_CONTEXT = mp.get_context("spawn")
 _forkserver_hides_gpus = False
 
 
 _INIT_FAILED = "process-group initialisation failed:\n"
 _INIT_ATTEMPTS = 3
+_GROUP_TIMEOUT = timedelta(seconds=60)
+# Store keys through which the ranks leave together (see _leave_together).
+_LEFT_COUNT_KEY = "tests.distributed/left"
+_ALL_LEFT_KEY = "tests.distributed/all_left"
 
 
 class RankFailure(AssertionError):
@@ -71,13 +87,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=60),
-        )
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=_GROUP_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT)
     except BaseException:  # noqa: BLE001 - e.g. the port was taken between choosing and binding it
         results.put((rank, False, _INIT_FAILED + traceback.format_exc()))
         return
@@ -98,12 +109,36 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             megatron_deepepv2.destroy_buffers()
         except Exception:  # noqa: BLE001 - the group may be broken already
             pass
+        _leave_together(store, rank, world_size)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _leave_together(store: Any, rank: int, world_size: int) -> None:
+    """Keeps rank 0, whose process serves the store, alive until every rank is done with it.
+
+    A rank that returns first would otherwise take the store down while its peers still meet through it (a gloo
+    group is created over the store, and nothing in the test function need follow it), and they fail with
+    "Connection reset by peer". A rank that died leaves rank 0 waiting until the group timeout, by which time the
+    parent has reported and killed the run.
+    """
+    try:
+        if store.add(_LEFT_COUNT_KEY, 1) == world_size:
+            store.set(_ALL_LEFT_KEY, "1")
+        if rank == 0:
+            store.wait([_ALL_LEFT_KEY], _GROUP_TIMEOUT)
+    except Exception:  # noqa: BLE001 - a peer's failure is already reported; this only delays rank 0's exit
+        pass
+
+
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None, cuda: bool = False
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    cuda: bool = False,
+    fresh_interpreter: bool = False,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -115,6 +150,8 @@ def run_distributed(
         env: Environment variables to set in every rank.
         cuda: Whether the ranks may use the GPU. CPU ranks (the default) see no GPU; CUDA ranks start from a
             fresh interpreter (a few seconds more) and see the GPUs the test process sees.
+        fresh_interpreter: Start CPU ranks from a fresh interpreter too, with nothing imported but this harness
+            (forked ranks have Megatron imported already, from the first ``megatron`` on ``sys.path``).
 
     Returns:
         The return values, indexed by rank.
@@ -124,7 +161,7 @@ def run_distributed(
             process-group start (a port taken between choosing and binding it) is retried with a new port.
     """
     for attempt in range(_INIT_ATTEMPTS):
-        outcomes = _run_once(fn, world_size, args, timeout, env, cuda)
+        outcomes = _run_once(fn, world_size, args, timeout, env, cuda, fresh_interpreter)
         init_failed = any(not ok and str(v).startswith(_INIT_FAILED) for ok, v in outcomes.values())
         if not init_failed or attempt == _INIT_ATTEMPTS - 1:
             break
@@ -136,13 +173,16 @@ def run_distributed(
 
 
 def _run_once(
-    fn: Callable, world_size: int, args: tuple, timeout: float, env: dict | None, cuda: bool
+    fn: Callable, world_size: int, args: tuple, timeout: float, env: dict | None, cuda: bool, fresh: bool
 ) -> dict[int, tuple[bool, Any]]:
-    context = _CUDA_CONTEXT if cuda else _cpu_context()
+    context = _SPAWN_CONTEXT if cuda or fresh else _cpu_context()
+    env = dict(env or {})
+    if fresh and not cuda:  # set before torch is imported in the rank, so that it never sees a GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
     port = free_port()
     results = context.Queue()
     procs = [
-        context.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(env or {})))
+        context.Process(target=_worker, args=(r, world_size, port, fn, args, results, env))
         for r in range(world_size)
     ]
     for proc in procs:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch.distributed
 
 from tests.distributed import RankFailure, run_distributed
 
@@ -47,3 +48,35 @@ def test_an_unsendable_result_fails_at_once_instead_of_hanging() -> None:
 def test_a_hung_rank_fails_after_the_timeout() -> None:
     with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 3s"):
         run_distributed(_rank_zero_hangs, 2, timeout=3)
+
+
+def _rank_one_needs_the_store_after_rank_zero_returned(rank: int, world: int) -> str:
+    if rank == 0:
+        return "left at once"
+    time.sleep(1.0)  # rank 0 has returned by now; the store lives in its process
+    group = torch.distributed.new_group([1], use_local_synchronization=True)  # a gloo group meets through the store
+    return f"group of {torch.distributed.get_world_size(group)}"
+
+
+def test_the_store_outlives_every_rank_that_still_needs_it() -> None:
+    # A rank that returns first must not take the store with it: its peers may still be creating groups through it.
+    assert run_distributed(_rank_one_needs_the_store_after_rank_zero_returned, 2) == ["left at once", "group of 1"]
+
+
+def _imported_megatron(rank: int, world: int) -> dict:
+    import os
+    import sys
+
+    return {"megatron": "megatron.core.transformer.moe.moe_layer" in sys.modules,
+            "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def test_forked_ranks_start_with_megatron_imported_and_fresh_ones_without() -> None:
+    import importlib.util
+
+    installed = importlib.util.find_spec("megatron") is not None
+    forked = run_distributed(_imported_megatron, 2)
+    assert forked == [{"megatron": installed, "visible_gpus": ""}] * 2  # imported once, by the forkserver
+    # A fresh interpreter leaves the import to the test (to put another Megatron tree first), and still hides GPUs.
+    fresh = run_distributed(_imported_megatron, 2, fresh_interpreter=True)
+    assert fresh == [{"megatron": False, "visible_gpus": ""}] * 2

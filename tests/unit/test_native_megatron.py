@@ -2,7 +2,7 @@
 
 Runs when ``MEGATRON_DEEPEPV2_NATIVE_TREE`` names the root of a Megatron-LM checkout whose ``megatron/core`` has a
 native ``_DeepepV2Manager`` (Megatron-LM's ``dev`` branch since #4793): ``make test-native MEGATRON_LM=/path``.
-Each rank puts that tree first on ``sys.path`` before importing Megatron. Checked: by default deepepv2 layers get
+Each rank (a fresh interpreter) puts that tree first on ``sys.path`` before importing Megatron. Checked: by default deepepv2 layers get
 this package's manager and match the alltoall dispatcher (forward and every gradient); with
 ``MEGATRON_DEEPEPV2_MANAGER=native`` Megatron is left unpatched and its own manager is what a deepepv2 layer builds.
 """
@@ -66,7 +66,7 @@ def _plugin_by_default(rank: int, world: int, tree: str, layout: str) -> dict:
 
 @pytest.mark.parametrize("layout", ["expand", "compact"])
 def test_deepepv2_layers_get_this_packages_manager_by_default(layout: str) -> None:
-    outcomes = run_distributed(_plugin_by_default, 2, TREE, layout, timeout=240)
+    outcomes = run_distributed(_plugin_by_default, 2, TREE, layout, timeout=240, fresh_interpreter=True)
     assert all(o["rows"] > 0 for o in outcomes)
 
 
@@ -94,5 +94,5 @@ def _native_on_request(rank: int, world: int, tree: str) -> str:
 
 
 def test_native_manager_on_request_leaves_megatron_alone() -> None:
-    outcomes = run_distributed(_native_on_request, 2, TREE, timeout=240)
+    outcomes = run_distributed(_native_on_request, 2, TREE, timeout=240, fresh_interpreter=True)
     assert all(o == "native manager built" or "deep" in o.lower() for o in outcomes), outcomes
