@@ -150,8 +150,8 @@ def run_distributed(
         env: Environment variables to set in every rank.
         cuda: Whether the ranks may use the GPU. CPU ranks (the default) see no GPU; CUDA ranks start from a
             fresh interpreter (a few seconds more) and see the GPUs the test process sees.
-        fresh_interpreter: Start CPU ranks from a fresh interpreter too, with nothing imported but this harness
-            (forked ranks have Megatron imported already, from the first ``megatron`` on ``sys.path``).
+        fresh_interpreter: Start CPU ranks from a fresh interpreter too, with nothing imported but this harness and
+            ``fn``'s module (forked ranks have Megatron imported already, from the first ``megatron`` on ``sys.path``).
 
     Returns:
         The return values, indexed by rank.
@@ -177,7 +177,7 @@ def _run_once(
 ) -> dict[int, tuple[bool, Any]]:
     context = _SPAWN_CONTEXT if cuda or fresh else _cpu_context()
     env = dict(env or {})
-    if fresh and not cuda:  # set before torch is imported in the rank, so that it never sees a GPU
+    if fresh and not cuda:  # set in the rank before anything there asks CUDA for its devices
         env["CUDA_VISIBLE_DEVICES"] = ""
     port = free_port()
     results = context.Queue()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 import threading
 import time
 
@@ -64,16 +67,11 @@ def test_the_store_outlives_every_rank_that_still_needs_it() -> None:
 
 
 def _imported_megatron(rank: int, world: int) -> dict:
-    import os
-    import sys
-
     return {"megatron": "megatron.core.transformer.moe.moe_layer" in sys.modules,
             "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def test_forked_ranks_start_with_megatron_imported_and_fresh_ones_without() -> None:
-    import importlib.util
-
     installed = importlib.util.find_spec("megatron") is not None
     forked = run_distributed(_imported_megatron, 2)
     assert forked == [{"megatron": installed, "visible_gpus": ""}] * 2  # imported once, by the forkserver

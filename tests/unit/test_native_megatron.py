@@ -2,8 +2,8 @@
 
 Runs when ``MEGATRON_DEEPEPV2_NATIVE_TREE`` names the root of a Megatron-LM checkout whose ``megatron/core`` has a
 native ``_DeepepV2Manager`` (Megatron-LM's ``dev`` branch since #4793): ``make test-native MEGATRON_LM=/path``.
-Each rank (a fresh interpreter) puts that tree first on ``sys.path`` before importing Megatron. Checked: by default deepepv2 layers get
-this package's manager and match the alltoall dispatcher (forward and every gradient); with
+Each rank, a fresh interpreter, puts that tree first on ``sys.path`` before importing Megatron. Checked: by default
+deepepv2 layers get this package's manager and match the alltoall dispatcher (forward and every gradient); with
 ``MEGATRON_DEEPEPV2_MANAGER=native`` Megatron is left unpatched and its own manager is what a deepepv2 layer builds.
 """
 
