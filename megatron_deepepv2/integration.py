@@ -8,7 +8,8 @@ place                                   change
 ======================================  ===========================================================
 ``TransformerConfig`` field type        ``Literal[...]`` gains ``'deepepv2'`` so the CLI accepts it
 ``TransformerConfig.__post_init__``     deepepv2 validated like deepep: flex required, pad-to-capacity
-                                        rejected, TPxEP > 1; ``moe_enable_deepep`` with deepepv2 is
+                                        rejected, TPxEP = 1 accepted (one rank runs the same path);
+                                        ``moe_enable_deepep`` with deepepv2 is
                                         rejected instead of silently becoming deepep
 ``moe_layer.MoEFlexTokenDispatcher``    rebound to :class:`DeepepV2FlexTokenDispatcher`, which builds
                                         :class:`~megatron_deepepv2.manager._DeepepV2Manager` for
@@ -176,13 +177,6 @@ def validate_config(config: Any) -> None:
             "Flex token dispatcher with the deepepv2 backend does not support moe_pad_expert_input_to_capacity; "
             "drop --moe-pad-expert-input-to-capacity (capacity dropping with --moe-expert-capacity-factor works)."
         )
-    expert_tp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
-    if expert_tp * config.expert_model_parallel_size <= 1:
-        raise ValueError(
-            "The deepepv2 dispatcher communicates over the expert-TP x EP group, which has a single rank here "
-            "(expert_tensor_parallel_size * expert_model_parallel_size == 1). Use --expert-model-parallel-size > 1 "
-            "or the alltoall dispatcher."
-        )
 
 
 def _patch_config_validation() -> None:
@@ -231,8 +225,8 @@ def _make_dispatcher_class():
             MoETokenDispatcher.__init__(self, config=config, pg_collection=pg_collection)
             self.num_local_experts = num_local_experts
             self.local_expert_indices = local_expert_indices
-            if self.tp_size * self.ep_size <= 1:
-                raise ValueError("The deepepv2 dispatcher requires TPxEP > 1 (expert-parallel communication).")
+            # TPxEP == 1 is supported: the same path on a 1-rank group (single-GPU debugging of a configuration that
+            # uses the flex dispatcher at scale). Megatron's own deepep refuses it.
             self._comm_manager = _DeepepV2Manager(
                 group=self.tp_ep_group,
                 num_local_experts=self.num_local_experts,

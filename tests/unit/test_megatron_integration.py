@@ -83,9 +83,10 @@ def _parity(rank: int, world: int, layout: str, tokens_per_rank: list[int], capa
     return {"rows": captured["rows"].shape[0]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("layout", ["expand", "compact"])
 def test_moe_layer_matches_alltoall(world: int, layout: str) -> None:
+    """World 1 is EP=1: the flex dispatcher on a 1-rank group, which Megatron's own deepep refuses."""
     run_distributed(_parity, world, layout, [16, 8, 12, 4][:world], None, 1, timeout=180)
 
 
@@ -154,7 +155,6 @@ def _config_errors(rank: int, world: int) -> list[str]:
     for extra, phrase in [
         ({"moe_enable_deepep": True}, "moe_enable_deepep=True selects the DeepEP v1 backend"),
         ({"moe_pad_expert_input_to_capacity": True, "moe_expert_capacity_factor": 1.0}, "does not support moe_pad_expert_input_to_capacity"),
-        ({"expert_model_parallel_size": 1}, "which has a single rank here"),
     ]:
         shape.extra = extra
         with pytest.raises(ValueError) as info:
@@ -164,6 +164,9 @@ def _config_errors(rank: int, world: int) -> list[str]:
     shape.extra = {"moe_token_dispatcher_type": "alltoall"}
     with pytest.raises(ValueError, match="requires moe_token_dispatcher_type='flex'"):
         transformer_config(shape, "deepepv2")
+    # A single expert-parallel rank (EP=1) is accepted: the same path on a 1-rank group.
+    shape.extra = {"expert_model_parallel_size": 1}
+    assert transformer_config(shape, "deepepv2").expert_model_parallel_size == 1
     # Other backends are untouched: deepep (v1) still builds its config.
     shape.extra = {}
     assert transformer_config(shape, "deepep").moe_flex_dispatcher_backend == "deepep"
