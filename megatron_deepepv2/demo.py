@@ -5,12 +5,13 @@ with Adam on a synthetic token-mapping task. It is trained twice from the same i
 once with Megatron's alltoall dispatcher, once with the flex dispatcher on the deepepv2 backend. Each step
 logs loss and tokens/s; the end says whether the two loss trajectories match.
 
-* CPU (no CUDA): 2 gloo processes, the reference backend, FP32 (through the CPU shims of
+* CPU (no CUDA, or ``--cpu``): 2 gloo processes, the reference backend, FP32 (through the CPU shims of
   :mod:`megatron_deepepv2.testing.cpu_shims`).
-* 2+ GPUs: one NCCL process per GPU, BF16, hidden 256, the ElasticBuffer backend when DeepEP v2 is
-  usable, else the reference backend over NCCL (``--backend`` overrides).
+* GPUs: one NCCL process per GPU (two by default; one on a 1-GPU machine, where the expert-parallel group has a
+  single rank, EP=1), BF16, hidden 256, the ElasticBuffer backend when DeepEP v2 is usable, else the reference
+  backend over NCCL (``--backend`` overrides).
 
-Usage: ``python -m megatron_deepepv2.demo [--steps 20] [--nproc 2] [--layout expand|compact] [--backend ...]``.
+Usage: ``python -m megatron_deepepv2.demo [--steps 20] [--nproc N] [--layout expand|compact] [--backend ...]``.
 """
 
 from __future__ import annotations
@@ -153,17 +154,20 @@ def main(argv=None) -> int:
     """Parses arguments and launches the ranks. Returns 0 when the loss trajectories match."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=DemoConfig.steps)
-    parser.add_argument("--nproc", type=int, default=DemoConfig.nproc, help="processes (GPUs on a GPU machine)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes: GPUs on a GPU machine (default min(2, GPUs)), else CPU processes (default 2)")
     parser.add_argument("--layout", choices=["expand", "compact"], default=DemoConfig.layout)
     parser.add_argument("--backend", choices=["auto", "deepep", "reference"], default="auto",
                         help="deepepv2 backend (auto: DeepEP on GPUs when usable, else reference)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU processes even when GPUs are present")
     args = parser.parse_args(argv)
-    config = DemoConfig(steps=args.steps, nproc=args.nproc, layout=args.layout)
+    gpus = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
+    nproc = args.nproc if args.nproc is not None else min(2, gpus) if gpus else DemoConfig.nproc
+    config = DemoConfig(steps=args.steps, nproc=nproc, layout=args.layout)
 
     from megatron_deepepv2.backends import resolve_backend  # noqa: PLC0415
 
-    on_gpu = not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= config.nproc
+    on_gpu = 0 < config.nproc <= gpus
     config.backend = resolve_backend(args.backend if on_gpu else "reference").name
     if on_gpu:
         config.tolerance = 5e-2  # BF16 activations; dispatch orders differ between the two paths

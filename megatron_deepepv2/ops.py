@@ -368,10 +368,18 @@ def dispatch(
     if isinstance(x, torch.Tensor):
         x = x.contiguous()
     # Reading ids costs nothing on CPU tensors, so there the default id check is the host check naming the token --
-    # except without host sync, which promises no host read of device data, CPU or not.
+    # except without host sync, which promises no host read of device data, CPU or not. On CUDA the check is a
+    # kernel: with host sync its flag is read on the host (a ValueError, as on CPU), without it a device assert.
     host_id_check = config.validate or (config.check_ids and config.host_sync and isinstance(topk_idx, torch.Tensor)
                                         and not topk_idx.is_cuda)
     device_id_check = config.check_ids and not host_id_check
+    if config.host_sync and isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda \
+            and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "deepepv2 dispatch with host sync inside CUDA-graph capture: the dispatch waits on the host for sizes "
+            "that captured kernels never produce (DeepEP would spin until its CPU timeout). Capture dispatches "
+            "without host sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers."
+        )
     # The static checks depend on the inputs' types, shapes, dtypes and devices only: a signature that passed once
     # passes again (plain tensors only; anything else is checked in full every call).
     signature = None
@@ -397,13 +405,15 @@ def dispatch(
         )
         if problem is None and signature is not None:
             config.remember_static_pass(signature)
+    if problem is None and device_id_check and config.host_sync:
+        problem = validation.check_expert_ids_with_flag(topk_idx, num_experts)
     if problem is None and not config.validate:
         max_tokens = topk_idx.shape[0]  # the common case: nothing to raise, nothing to agree on
     else:
         num_tokens = topk_idx.shape[0] if problem is None else 0
         max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens)
     topk_idx = topk_idx.contiguous()
-    if device_id_check:
+    if device_id_check and not config.host_sync:
         validation.assert_expert_ids_on_device(topk_idx, num_experts, group)
 
     data, scales = x if isinstance(x, tuple) else (x, None)

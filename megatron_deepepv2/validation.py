@@ -8,11 +8,14 @@ Three levels:
 * **static checks** (always on): types, dtypes, shapes, devices, configuration limits such as
   ``num_experts % group_size`` or DeepEP's ``H % 256`` for combine. They cost no device sync.
 * **expert-id checks** (``check_ids`` setting, on by default): every id in ``[-1, num_experts)`` and no expert
-  twice in one row, without a host sync. On CUDA, :func:`assert_expert_ids_on_device` runs one small kernel
-  and a device-side assert that stops the process before the exchange reads a bad id (an id past the experts
-  would otherwise be dropped or index out of bounds, and a repeated expert would be received twice). CPU
-  tensors are checked on the host, where reading them costs nothing, and raise a ValueError naming the token
-  (without host sync, which promises no host read, the same test runs as tensor ops and raises a RuntimeError).
+  twice in one row (an id past the experts would otherwise be dropped or index out of bounds, and a repeated
+  expert would be received twice). On CUDA one small kernel checks them: a dispatch with host sync, which waits
+  on the host anyway, reads its 4-byte flag and raises a ValueError naming the token
+  (:func:`check_expert_ids_with_flag`); a dispatch without host sync, which must not read the device, runs a
+  device-side assert that stops the process before the exchange reads a bad id
+  (:func:`assert_expert_ids_on_device`). CPU tensors are checked on the host, where reading them costs nothing,
+  and raise a ValueError naming the token (without host sync, which promises no host read, the same test runs
+  as tensor ops and raises a RuntimeError).
 * **agreed value checks** (``validate`` setting, :mod:`megatron_deepepv2.config`): the same checks on the host
   (a device-to-host sync), then all ranks agree on the outcome in one small all-reduce, so bad input on
   *one* rank raises on *every* rank at once.
@@ -255,6 +258,8 @@ _BAD_IDS_MESSAGE = (
 #: Per CUDA device: one int32 that the check kernel clears when it sees a bad id (set to 1 once, never reset:
 #: the assert that reads it stops the process).
 _ok_flags: dict[torch.device, torch.Tensor] = {}
+#: Per CUDA device: the flag of :func:`check_expert_ids_with_flag`, read on the host (and reset after a failure).
+_host_read_flags: dict[torch.device, torch.Tensor] = {}
 
 if triton is not None:
 
@@ -291,6 +296,35 @@ def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Te
             topk_idx, ok, num_tokens, num_experts, K=num_topk, K_PAD=k_pad, BLOCK_T=block_t)
     else:  # pragma: no cover - CUDA builds of PyTorch ship Triton
         ok.mul_((~_any_bad_id(topk_idx, num_experts)).to(torch.int32))
+
+
+def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
+    """The default id check of a dispatch that waits on the host anyway (host sync) on CUDA: no device assert.
+
+    Runs the check kernel of :func:`assert_expert_ids_on_device` and reads its 4-byte flag on the host instead of
+    asserting on the device. A device-side assert would leave the process unusable and, in host-sync mode, be
+    reported late: the dispatch that follows waits on the host for counts that kernels queued after a failed
+    assert never write (DeepEP spins until its CPU timeout, 300 s by default). Reading the flag waits for the
+    work queued before the dispatch, which a host-sync dispatch waits for moments later anyway; only when the
+    flag says a bad id is there are the ids copied to the host, to name the token.
+
+    Args:
+        topk_idx: ``[T, K]`` int64 expert ids on a CUDA device.
+        num_experts: Global number of experts.
+
+    Returns:
+        A ``ValueError`` naming the first bad token, or None.
+    """
+    if topk_idx.shape[0] == 0:
+        return None
+    flag = _host_read_flags.get(topk_idx.device)
+    if flag is None:
+        flag = _host_read_flags.setdefault(topk_idx.device, torch.ones(1, dtype=torch.int32, device=topk_idx.device))
+    clear_flag_on_bad_ids(topk_idx.contiguous(), num_experts, flag)
+    if flag.item():  # the one host read: 4 bytes, after the queued work (see above)
+        return None
+    flag.fill_(1)
+    return check_expert_ids(topk_idx.cpu(), num_experts) or ValueError(_BAD_IDS_MESSAGE)
 
 
 def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,

@@ -360,7 +360,9 @@ class DispatchBackend(ABC):
             expert_alignment: Expand layout: pad each expert block to a multiple of this.
             zero_padding: Expand layout: zero-fill padding rows (and their weights).
             async_finish: Return before the communication finished; wait on the returned event.
-            allocate_on_comm_stream: Allocate outputs on the communication stream.
+            allocate_on_comm_stream: Allocate outputs on the communication stream, with ``async_finish`` (the
+                outputs are then recorded on the current stream); a synchronous call allocates them on the current
+                stream whatever this says, since nothing would protect them from reuse by the other stream.
             previous_event: Event the communication must wait for (with ``allocate_on_comm_stream``).
             host_sync: Wait on the host for exact sizes; False sizes outputs for the worst case and keeps
                 counts on the device (see the module docstring).
@@ -391,7 +393,8 @@ class DispatchBackend(ABC):
             previous_event: See :meth:`dispatch`.
 
         Returns:
-            Output in the layout of ``handle``; ``handle`` is returned unchanged.
+            Output in the layout of ``handle``; ``handle`` is returned unchanged. Without host sync, rows past
+            ``handle.num_valid_rows`` are zero (a consumer may reduce over every row).
         """
 
     @abstractmethod

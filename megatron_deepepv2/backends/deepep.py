@@ -19,7 +19,10 @@ where noted):
 * the group's NCCL communicator is materialised before DeepEP reads it (a lazy one segfaults, DeepEP #726);
 * cached dispatch always passes ``num_sms`` from the handle (``num_sms=0`` raises, DeepEP #685) and
   ``do_expand`` / ``do_zero_padding`` explicitly (dispatch does not take them from the handle);
-* ``previous_event`` is only passed together with ``allocate_on_comm_stream`` (a host assert otherwise);
+* ``previous_event`` is only passed together with ``allocate_on_comm_stream`` (a host assert otherwise), and
+  outputs are allocated on the communication stream only in async mode, the only mode where DeepEP protects
+  them from the caching allocator (:meth:`DeepEPBackend._stream_kwargs`);
+* rows past the valid extent of a cached dispatch without host sync (a combine's backward) are zeroed;
 * events are waited through ``EventOverlap.current_stream_wait`` only in async mode (it asserts otherwise),
   which is also what runs DeepEP's deterministic sort in async mode;
 * hybrid (RDMA x NVLink) mode is used only when the group spans nodes; single-node runs use direct mode;
@@ -316,6 +319,22 @@ class DeepEPBackend(DispatchBackend):
     def _event(event_overlap: Any, async_finish: bool):
         return _EventOverlapWait(event_overlap) if async_finish else CompletedEvent()
 
+    @staticmethod
+    def _stream_kwargs(async_finish: bool, allocate_on_comm_stream: bool, previous_event: Optional[Any]) -> dict:
+        """DeepEP's stream arguments of one call.
+
+        Outputs are allocated on the communication stream only in async mode: only there does DeepEP
+        ``record_stream`` them on the compute stream. A synchronous call that allocated them there would hand the
+        compute stream memory of the communication stream's pool, which the caching allocator gives back to that
+        stream as soon as the tensor is freed, while compute kernels may still read it. Synchronous calls
+        therefore allocate on the current stream (the communication stream waits on it first, and the current
+        stream waits on the communication stream after, so nothing else changes); DeepEP accepts a previous event
+        only with ``allocate_on_comm_stream``, so one is passed only then.
+        """
+        on_comm_stream = allocate_on_comm_stream and async_finish
+        return {"previous_event": previous_event if on_comm_stream else None,
+                "async_with_compute_stream": async_finish, "allocate_on_comm_stream": on_comm_stream}
+
     @uninitialized_memory_fill_off()
     def dispatch(
         self,
@@ -341,9 +360,7 @@ class DeepEPBackend(DispatchBackend):
             num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
             expert_alignment=expert_alignment,
             num_sms=self.num_sms,
-            previous_event=previous_event if allocate_on_comm_stream else None,
-            async_with_compute_stream=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
+            **self._stream_kwargs(async_finish, allocate_on_comm_stream, previous_event),
             do_expand=expand,
             do_zero_padding=zero_padding and expand,
             do_cpu_sync=host_sync,
@@ -396,16 +413,21 @@ class DeepEPBackend(DispatchBackend):
             x,
             topk_weights=topk_weights,
             num_sms=native.num_sms,  # DeepEP #685: num_sms=0 with a handle raises
-            previous_event=previous_event if allocate_on_comm_stream else None,
-            async_with_compute_stream=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
+            **self._stream_kwargs(async_finish, allocate_on_comm_stream, previous_event),
             handle=native,
             do_expand=expand,
             do_zero_padding=expand,  # padding rows of a gradient must be zero
             **self._dispatch_kwargs,
         )
-        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle,
-                              self._event(event, async_finish))
+        event = self._event(event, async_finish)
+        if not handle.host_sync:
+            # Worst-case rows past the valid extent are left uninitialised by DeepEP; a consumer that reduces over
+            # every row (a bias gradient, a norm) would read garbage. Zero them, in stream order after the copy.
+            event.wait()
+            event = CompletedEvent()
+            tail = torch.arange(recv_x.shape[0], device=recv_x.device) >= handle.num_valid_rows
+            recv_x.masked_fill_(tail.unsqueeze(1), 0)
+        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, event)
 
     @uninitialized_memory_fill_off()
     def combine(
@@ -423,9 +445,7 @@ class DeepEPBackend(DispatchBackend):
             handle.native,
             topk_weights=topk_weights,
             num_sms=handle.native.num_sms,
-            previous_event=previous_event if allocate_on_comm_stream else None,
-            async_with_compute_stream=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
+            **self._stream_kwargs(async_finish, allocate_on_comm_stream, previous_event),
         )
         return CombineOutput(combined, combined_weights, self._event(event, async_finish))
 

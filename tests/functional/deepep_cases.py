@@ -1,12 +1,14 @@
-"""Functional cases for the DeepEP v2 backend on >= 2 GPUs, run under ``torchrun`` (one process per GPU).
+"""Functional cases for the DeepEP v2 backend on one or more GPUs, run under ``torchrun`` (one process per GPU).
 
 Each case compares the ElasticBuffer path with an independent one over the same NCCL group: the reference
-backend (``torch.distributed``), or Megatron's alltoall dispatcher. ``tests/functional/test_deepep.py``
+backend (``torch.distributed``), or Megatron's alltoall dispatcher. On one GPU the group has one rank (EP=1):
+every kernel, stream, event, graph and determinism property runs, without NVLink traffic between GPUs; uneven
+token counts with an empty rank need two ranks and run from two on. ``tests/functional/test_deepep.py``
 launches this file; it can also be run by hand::
 
-    EP_DISABLE_GIN=1 torchrun --nproc-per-node 2 tests/functional/deepep_cases.py [CASE ...]
+    EP_DISABLE_GIN=1 torchrun --nproc-per-node 1 tests/functional/deepep_cases.py [CASE ...]   # or 2, 4, 8
 
-Prints ``PASS name`` / ``FAIL name`` per case and exits non-zero when any case failed.
+Prints ``PASS name`` / ``SKIP name: reason`` / ``FAIL name`` per case and exits non-zero when any case failed.
 """
 
 from __future__ import annotations
@@ -31,11 +33,21 @@ RANK = int(os.environ.get("RANK", 0))
 # Read by cuBLAS when its handle is created; torch's deterministic algorithms (a case below) require it.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 CASES: dict[str, Callable[[], None]] = {}
+#: Cases that need more ranks than one GPU gives: name -> (smallest world, why).
+MIN_WORLD: dict[str, tuple[int, str]] = {}
 
 
 def case(fn: Callable[[], None]) -> Callable[[], None]:
     CASES[fn.__name__] = fn
     return fn
+
+
+def needs_world(size: int, reason: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Marks a case that runs only on ``size`` or more ranks, saying why."""
+    def mark(fn: Callable[[], None]) -> Callable[[], None]:
+        MIN_WORLD[fn.__name__] = (size, reason)
+        return fn
+    return mark
 
 
 def log(message: str) -> None:
@@ -62,8 +74,8 @@ def exact(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def tokens_for_rank(world: int, base: int) -> int:
-    # Uneven counts with an empty last rank.
-    return 0 if RANK == world - 1 else base + 37 * RANK
+    """Uneven counts with an empty last rank on two or more ranks; a single rank (EP=1) gets real tokens."""
+    return 0 if world > 1 and RANK == world - 1 else base + 37 * RANK
 
 
 @case
@@ -229,6 +241,7 @@ def moe_layer_matches_alltoall() -> None:
 
 
 @case
+@needs_world(2, "Megatron asserts expert_model_parallel_size > 1 for overlap_moe_expert_parallel_comm")
 def ep_overlap_combined_1f1b_matches_alltoall() -> None:
     """overlap_moe_expert_parallel_comm: Megatron's combined 1F1B schedule (forward of one micro-batch interleaved
     with the backward of the previous, dispatch and combine on Megatron's communication stream) over ElasticBuffer,
@@ -445,6 +458,170 @@ def ops_graph_replay_equals_eager() -> None:
         dv2.destroy_buffers()
 
 
+@case
+def host_sync_dispatch_in_graph_capture_raises() -> None:
+    """A dispatch with host sync inside CUDA-graph capture raises at once (DeepEP would spin in its CPU wait until its
+    300 s timeout for counts the captured kernels never write); without host sync the capture works."""
+    x, idx, w, _ = _ops_inputs()
+    kwargs = dict(backend="deepep", num_max_tokens_per_rank=1024, layout="expand", expert_alignment=16,
+                  zero_padding=True)
+    dv2.dispatch(x, idx, w, 32, **kwargs)  # builds the buffer, eagerly
+    torch.cuda.synchronize()
+    for check_ids in (True, False):  # Megatron's layers skip the id check (ids valid by construction)
+        graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
+        try:
+            with dv2.settings_override(check_ids=check_ids), torch.cuda.graph(graph):
+                dv2.dispatch(x, idx, w, 32, **kwargs)
+        except RuntimeError as error:
+            assert "host sync inside CUDA-graph capture" in str(error), error
+        else:
+            raise AssertionError("a host-sync dispatch was captured")
+        assert time.perf_counter() - start < 10, time.perf_counter() - start
+        del graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dv2.dispatch(x, idx, w, 32, host_sync=False, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        dv2.dispatch(x, idx, w, 32, host_sync=False, **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    del graph
+    dv2.destroy_buffers()
+
+
+@case
+def bad_ids_with_host_sync_raise_in_seconds() -> None:
+    """Default id check, host sync, the GPU busy with earlier work: a ValueError naming the token within seconds (not
+    a device assert followed by DeepEP's 300 s CPU wait), and the process goes on: the next dispatch is right."""
+    x, idx, w, _ = _ops_inputs()
+    kwargs = dict(backend="deepep", num_max_tokens_per_rank=1024)
+    want = dv2.dispatch(x, idx, w, 32, backend="reference", num_max_tokens_per_rank=1024)
+    dv2.dispatch(x, idx, w, 32, **kwargs)
+    torch.cuda.synchronize()
+    for token, ids in ((5, (3, 3)), (7, (32, 1))):  # an expert twice, an id past the experts
+        bad = idx.clone()
+        bad[token, :2] = torch.tensor(ids, device=bad.device)
+        start = time.perf_counter()
+        torch.cuda._sleep(1 << 30)  # about half a second of queued GPU work before the check
+        try:
+            dv2.dispatch(x, bad, w, 32, **kwargs)
+        except ValueError as error:
+            assert f"token {token}" in str(error), error
+        else:
+            raise AssertionError(f"bad ids {ids} of token {token} were dispatched")
+        assert time.perf_counter() - start < 10, time.perf_counter() - start
+    exact("dispatch after the error", dv2.dispatch(x, idx, w, 32, **kwargs).recv_x, want.recv_x)
+    dv2.destroy_buffers()
+
+
+@case
+def no_host_sync_combine_backward_tail_rows_are_zero() -> None:
+    """Without host sync, the combine's backward hands the experts worst-case rows: those past the valid extent are
+    zero (on memory the allocator hands out full of NaNs), so a bias gradient summed over every row equals the
+    reference backend's."""
+    x, idx, w, grad = _ops_inputs()
+    for layout in ("compact", "expand"):
+        results = {}
+        for backend in ("reference", "deepep"):
+            poison = torch.full((1 << 29,), float("nan"), dtype=torch.bfloat16, device="cuda")
+            del poison  # the allocator's cached 1 GiB block now holds NaNs
+            bias = torch.zeros(x.shape[1], dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1,
+                               zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024,
+                               host_sync=False)
+            grads = {}
+            y = out.recv_x + bias
+            y.register_hook(lambda g: grads.setdefault("rows", g.detach().clone()))
+            dv2.combine(y, out.handle).backward(grad)
+            torch.cuda.synchronize()
+            valid = int(out.handle.num_valid_rows)
+            assert valid < y.shape[0], (valid, y.shape)  # there are tail rows
+            tail = grads["rows"][valid:]
+            assert not tail.any() and not tail.isnan().any(), (
+                f"{backend} {layout}: {int((tail != 0).sum())} nonzero tail gradient values")
+            results[backend] = bias.grad
+        # Rows arrive in atomic order without deterministic mode, so the bias gradient's sum order may differ.
+        torch.testing.assert_close(results["deepep"], results["reference"], rtol=1e-2, atol=1e-2,
+                                   msg=f"{layout} bias gradient")
+    dv2.destroy_buffers()
+
+
+@case
+def micro_batches_in_flight_across_rebuilds() -> None:
+    """Four micro-batches' forwards, then their backwards in reverse order, with the token count growing twice: the
+    ElasticBuffer is rebuilt while earlier handles still wait for their backward. Outputs and gradients equal the
+    reference backend's run of the same schedule bitwise; the superseded buffers are kept while in use and
+    destroyed at the next dispatch after."""
+    from megatron_deepepv2 import buffers
+
+    def schedule(backend: str):
+        steps = []
+        for i, tokens in enumerate((64, 200, 48, 700)):  # capacity 128, then 256 and 1024: two rebuilds
+            x, idx, w = make_routing(tokens + 3 * RANK, 1024, 32, 8, seed=50 + i + RANK)
+            x, w = x.requires_grad_(), w.requires_grad_()
+            out = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True,
+                               backend=backend)
+            y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
+            steps.append((x, w, dv2.combine(y, out.handle)))
+        retired_while_pending = sum(b.name == backend for b in buffers.retired_buffers())
+        results = []
+        for x, w, y in reversed(steps):
+            y.backward((y.detach().float() * 0.5 + 1).to(y.dtype))
+            results.append((y.detach(), x.grad, w.grad))
+        return results, retired_while_pending
+
+    want, _ = schedule("reference")
+    got, retired_while_pending = schedule("deepep")
+    assert retired_while_pending >= 2, retired_while_pending  # both superseded buffers outlived their rebuild
+    for index, (a, b) in enumerate(zip(got, want)):
+        for name, tensor_a, tensor_b in zip(("output", "grad_x", "grad_weights"), a, b):
+            exact(f"micro-batch {3 - index} {name}", tensor_a, tensor_b)
+    del got, want
+    x, idx, w = make_routing(16, 1024, 32, 8, seed=60 + RANK)
+    dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep")
+    assert not [b for b in buffers.retired_buffers() if b.name == "deepep"], buffers.retired_buffers()
+    dv2.destroy_buffers()
+
+
+def _allocation_stream(tensor: torch.Tensor) -> int:
+    """The CUDA stream whose pool the caching allocator took ``tensor``'s memory from."""
+    address = tensor.data_ptr()
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        if segment["address"] <= address < segment["address"] + segment["total_size"]:
+            return segment["stream"]
+    raise AssertionError("tensor not found in the allocator's segments")
+
+
+@case
+def synchronous_calls_allocate_on_the_current_stream() -> None:
+    """``allocate_on_comm_stream=True`` without ``async_finish``: DeepEP records outputs on the compute stream only in
+    async mode, so a synchronous call's outputs must come from the current stream's pool (memory of the
+    communication stream's pool would go back to that stream when freed while compute kernels still read it).
+    Dispatch, combine and both backwards; results equal the default-stream run."""
+    x, idx, w, grad = _ops_inputs()
+    current = torch.cuda.current_stream().cuda_stream
+    baseline = _ops_run("deepep", "compact", (x, idx, w, grad))
+    streams = {}
+    xg = x.clone().requires_grad_()
+    out = dv2.dispatch(xg, idx, w, 32, backend="deepep", num_max_tokens_per_rank=1024, allocate_on_comm_stream=True)
+    streams["dispatch"] = _allocation_stream(out.recv_x)
+    y = out.recv_x * out.recv_topk_weights.sum(dim=1, keepdim=True).to(out.recv_x.dtype)
+    y.register_hook(lambda g: streams.setdefault("combine backward", _allocation_stream(g)))
+    combined = dv2.combine(y, out.handle, allocate_on_comm_stream=True)
+    streams["combine"] = _allocation_stream(combined)
+    combined.backward(grad)
+    streams["dispatch backward"] = _allocation_stream(xg.grad)
+    assert all(stream == current for stream in streams.values()), (current, streams)
+    exact("output", combined.detach(), baseline[0])
+    exact("grad_x", xg.grad, baseline[1])
+    dv2.destroy_buffers()
+
+
 def main() -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
@@ -453,17 +630,27 @@ def main() -> int:
 
     init_expert_parallel()
     selected = sys.argv[1:] or list(CASES)
-    failures = 0
+    outcomes = {"passed": 0, "skipped": 0, "failed": 0}
+    world = dist.get_world_size()
     for name in selected:
+        min_world, reason = MIN_WORLD.get(name, (1, ""))
+        if world < min_world:
+            outcomes["skipped"] += 1
+            log(f"SKIP {name}: needs {min_world}+ ranks ({reason})")
+            continue
         start = time.perf_counter()
         try:
             CASES[name]()
             dist.barrier()
+            outcomes["passed"] += 1
             log(f"PASS {name} ({time.perf_counter() - start:.1f}s)")
         except Exception:  # noqa: BLE001 - reported per case
-            failures += 1
+            outcomes["failed"] += 1
             print(f"FAIL {name} on rank {RANK}\n{traceback.format_exc()}", flush=True)
             break  # peers may be inside a collective; stop instead of hanging
+    log(f"cases at world {world}: {outcomes['passed']} passed, {outcomes['skipped']} skipped, "
+        f"{outcomes['failed']} failed of {len(selected)}")
+    failures = outcomes["failed"]
     dv2.destroy_buffers()
     dist.destroy_process_group()
     return 1 if failures else 0

@@ -38,6 +38,7 @@ class _Handle:
         else:
             self.psum_num_recv_tokens_per_expert = torch.cumsum(aligned, 0).to(torch.int32)
         self.num_valid_rows = sum(plan.aligned_counts) if do_expand else len(plan.rows)
+        self.do_cpu_sync = do_cpu_sync
 
 
 def _check_torch_deterministic() -> None:
@@ -86,6 +87,13 @@ class _DenseStandIn:
         if recv_weights is not None:
             recv_weights[tail] = 123.0
 
+    def _cached_rows(self, x, handle, topk_weights):
+        """A cached dispatch's rows; without CPU sync DeepEP leaves those past the valid extent uninitialised."""
+        recv_x, recv_weights = self.exchange.cached_dispatch(x, handle.plan, topk_weights)
+        if not handle.do_cpu_sync:
+            recv_x[torch.arange(recv_x.shape[0]) >= handle.num_valid_rows] = 99.0
+        return recv_x, recv_weights
+
     def destroy(self) -> None:
         self.destroyed = True
         self.exchange = None  # destroy() frees the buffer: any later use of it fails
@@ -125,7 +133,7 @@ class FakeElasticBuffer(_DenseStandIn):
             assert num_sms != 0, "DeepEP #685: num_sms=0 with a handle raises TypeError"
             assert do_expand == handle.do_expand, "do_expand must be passed explicitly on cached dispatch"
             assert not do_cpu_sync, "Cannot do CPU sync with cached handle"
-            recv_x, recv_weights = self.exchange.cached_dispatch(x, handle.plan, topk_weights)
+            recv_x, recv_weights = self._cached_rows(x, handle, topk_weights)
             recv_idx = None if do_expand else self._local_idx(handle.plan)
             return recv_x, recv_idx, recv_weights, handle, _EventOverlap(async_with_compute_stream, log)
         do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
@@ -202,7 +210,7 @@ class FakeEPBuffer(_DenseStandIn):
             given = (num_experts or handle.num_experts, expert_alignment or handle.expert_alignment,
                      num_max_tokens_per_rank or handle.num_max_tokens_per_rank)
             assert given == (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
-            recv_x, recv_weights = self.exchange.cached_dispatch(x, handle.plan, topk_weights)
+            recv_x, recv_weights = self._cached_rows(x, handle, topk_weights)
             recv_idx = None if do_expand else FakeElasticBuffer._local_idx(handle.plan)
             return recv_x, recv_idx, recv_weights, handle, _EventOverlap(async_with_compute_stream, [])
         num_sms = num_sms + num_sms % 2  # align(num_sms, 2)
@@ -313,6 +321,12 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
         cached_calls = [c for c in stand_in.calls if c.get("cached")]
         assert cached_calls and all(c["do_expand"] == (layout is ExpertLayout.EXPAND)
                                     and c["zero"] == (layout is ExpertLayout.EXPAND) for c in cached_calls)
+        # Synchronous calls never allocate on the communication stream (nothing would protect those outputs from
+        # reuse by that stream once freed), so they pass no previous event either.
+        stand_in.calls.clear()
+        out = ops._apply_dispatch(backend, x.clone().requires_grad_(), None, idx, w, 8, config, (False, True))
+        ops._CombineFunction.apply(out[0], out[-1], (False, True)).sum().backward()
+        assert len(stand_in.calls) == 4 and not any(c["alloc"] or c["prev"] or c["async_"] for c in stand_in.calls)
     # FP8 pairs pass through as pairs, bytes unchanged.
     fp8 = (x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], 2, generator=torch.Generator().manual_seed(rank)))
     kwargs = dict(num_experts=8, layout=ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)

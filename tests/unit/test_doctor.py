@@ -127,3 +127,10 @@ def test_elf_reader_lists_needed_libraries() -> None:
     assert any(name.startswith("libc10") for name in needed)
     with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
         elf_needed_libraries(__file__)
+
+
+def test_one_gpu_is_a_supported_configuration_and_says_what_it_cannot_show() -> None:
+    findings = run_checks(healthy(cuda=lambda: {"available": True, "count": 1, "capability": (9, 0), "name": "H200"}))
+    one_gpu = next(f for f in findings if f.check == "gpu-count")
+    assert one_gpu.status == OK and "EP=1" in one_gpu.detail and "NVLink" in one_gpu.detail
+    assert all(f.status == OK for f in findings if f.check != "torchrun"), [f for f in findings if f.status != OK]

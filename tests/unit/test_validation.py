@@ -302,6 +302,22 @@ def test_device_side_id_check_passes_every_valid_routing_without_a_host_sync() -
     torch.cuda.synchronize()
 
 
+@needs_cuda
+@pytest.mark.parametrize("case", ["too_large", "duplicate"])
+def test_host_sync_id_check_on_cuda_raises_a_value_error_and_the_process_goes_on(case: str) -> None:
+    """With host sync the CUDA check reads its flag: a ValueError naming the token, no device assert, and the next
+    check (of good ids) passes -- the flag was reset."""
+    from megatron_deepepv2.validation import check_expert_ids_with_flag
+
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5]], device="cuda")
+    bad = idx.clone()
+    bad[1, 1] = 8 if case == "too_large" else 2
+    problem = check_expert_ids_with_flag(bad, 8)
+    assert isinstance(problem, ValueError) and "token 1" in str(problem), problem
+    assert check_expert_ids_with_flag(idx, 8) is None
+    torch.cuda.synchronize()  # no device-side assert is pending
+
+
 def _bad_ids_without_host_sync(rank: int, world: int) -> str:
     x, idx, w = _good(rank)
     if rank == 1:
