@@ -21,7 +21,7 @@ backend, in FP32, without the graph row.
 Prints progress, writes ``compare_dispatchers.json``, ``compare_dispatchers.png`` and ``compare_dispatchers.md``
 (the tables, with each deepepv2 row's ratio against the best non-deepepv2 dispatcher) to ``--out``::
 
-    EP_DISABLE_GIN=1 torchrun --nproc-per-node 2 tools/compare_dispatchers.py --out bench_out
+    EP_DISABLE_GIN=1 torchrun --nproc-per-node 2 tools/compare_dispatchers.py --out bench_out   # or 1 GPU: EP=1
     python tools/compare_dispatchers.py --cpu --models tiny --tokens 64 --out bench_out
 """
 
@@ -218,8 +218,13 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
     return rows
 
 
-def compare(args: argparse.Namespace, cuda: bool) -> list[dict]:
-    """All rows, models x variants x tokens (in an initialised process group with Megatron's EP state)."""
+def compare(args: argparse.Namespace, cuda: bool,
+            after_model: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+    """All rows, models x variants x tokens (in an initialised process group with Megatron's EP state).
+
+    ``after_model`` gets the rows so far after each model (the outputs are rewritten then, so that a run cut short
+    keeps what it measured).
+    """
     rows = []
     variants = [v for v in VARIANTS if args.variants is None or v.name in args.variants or v.name == "alltoall"]
     for model_name in args.models:
@@ -236,6 +241,8 @@ def compare(args: argparse.Namespace, cuda: bool) -> list[dict]:
             else:
                 measured = measure_variant(variant, model, args.tokens, references, args, cuda)
             rows += [{**base, **row} for row in measured]
+        if after_model is not None:
+            after_model(rows)
     return rows
 
 
@@ -268,7 +275,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, where: str = "") -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -284,7 +291,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.bar([i + k * width for i in range(len(groups))], values, width, label=name)
     ax.set_xticks([i + 0.4 for i in range(len(groups))], [f"{m}\nT{t}" for m, t in groups], fontsize=8)
     ax.set_ylabel("MoE layer forward + backward, ms (median; 0 = not run)")
-    ax.set_title("Dispatchers side by side (lower is better)")
+    ax.set_title(f"Dispatchers side by side{f' ({where})' if where else ''}, lower is better", fontsize=10)
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -300,7 +307,8 @@ def write_outputs(rows: list[dict], out: str, meta: dict) -> None:
         f.write(markdown(rows))
     logger.info("wrote %s/compare_dispatchers.{json,md}", out)
     try:
-        plot(rows, os.path.join(out, "compare_dispatchers.png"))
+        plot(rows, os.path.join(out, "compare_dispatchers.png"),
+             f"{meta.get('device', '')}, EP={meta.get('world_size', '?')}")
     except ImportError as error:
         logger.warning("no plot: %s. pip install 'megatron-deepepv2[bench]' (matplotlib) and rerun, or plot "
                        "compare_dispatchers.json yourself.", error)
@@ -323,8 +331,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_rank(rank: int, args: argparse.Namespace, cuda: bool) -> list[dict]:
-    """One rank's part, in an initialised process group: installs the plugin, sets up EP, compares."""
+def run_rank(rank: int, args: argparse.Namespace, cuda: bool, meta: dict) -> list[dict]:
+    """One rank's part, in an initialised process group: installs the plugin, sets up EP, compares; rank 0 writes
+    the outputs (with ``meta``) after each model."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
 
@@ -336,16 +345,14 @@ def run_rank(rank: int, args: argparse.Namespace, cuda: bool) -> list[dict]:
     init_expert_parallel()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S")
-    return compare(args, cuda)
+    return compare(args, cuda, (lambda rows: write_outputs(rows, args.out, meta)) if rank == 0 else None)
 
 
 def _cpu_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        rows = run_rank(rank, args, cuda=False)
-        if rank == 0:
-            write_outputs(rows, args.out, {"world_size": world, "device": "cpu (gloo, reference backend)"})
+        run_rank(rank, args, False, {"world_size": world, "device": "cpu (gloo, reference backend)"})
     finally:
         dist.destroy_process_group()
 
@@ -364,9 +371,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     try:
-        rows = run_rank(dist.get_rank(), args, cuda=True)
-        if dist.get_rank() == 0:
-            write_outputs(rows, args.out, {"world_size": dist.get_world_size(), "device": torch.cuda.get_device_name()})
+        run_rank(dist.get_rank(), args, True, {"world_size": dist.get_world_size(),
+                                              "device": torch.cuda.get_device_name()})
     finally:
         dist.destroy_process_group()
     return 0

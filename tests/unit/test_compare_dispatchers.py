@@ -7,22 +7,27 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import run_distributed
 
 RUNNABLE_ON_CPU = ["alltoall", "allgather", "deepepv2-expand", "deepepv2-compact", "deepepv2-expand-no-host-sync"]
 
 
-def _smoke(rank: int, world: int) -> list[dict]:
+def _smoke(rank: int, world: int, out: str) -> list[dict]:
     from tools import compare_dispatchers
 
-    args = compare_dispatchers._parse(["--cpu", "--models", "tiny", "--tokens", "48", "--iters", "2", "--warmup", "1"])
-    return compare_dispatchers.run_rank(rank, args, cuda=False)
+    args = compare_dispatchers._parse(["--cpu", "--models", "tiny", "--tokens", "48", "--iters", "2", "--warmup", "1",
+                                       "--out", out])
+    return compare_dispatchers.run_rank(rank, args, False, {"device": "cpu", "world_size": world})
 
 
-def test_every_runnable_variant_runs_and_matches_alltoall(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_runnable_variant_runs_and_matches_alltoall(world: int, tmp_path: Path) -> None:
+    """World 1 is EP=1 (one GPU's comparison: the fixed costs of each dispatcher, no traffic between ranks)."""
     from tools import compare_dispatchers
 
-    rows = run_distributed(_smoke, 2, timeout=240, env={"LOCAL_WORLD_SIZE": "2"})[0]
+    rows = run_distributed(_smoke, world, str(tmp_path), timeout=240, env={"LOCAL_WORLD_SIZE": str(world)})[0]
     by_name = {row["variant"]: row for row in rows}
     assert list(by_name) == [variant.name for variant in compare_dispatchers.VARIANTS]
     for name in RUNNABLE_ON_CPU:
@@ -32,8 +37,9 @@ def test_every_runnable_variant_runs_and_matches_alltoall(tmp_path: Path) -> Non
     assert "fused_a2a.HAVE_DEEP_EP is False" in by_name["flex-deepep-v1"]["unavailable"]
     assert "needs CUDA" in by_name["deepepv2-expand-graph"]["unavailable"]
 
-    compare_dispatchers.write_outputs(rows, str(tmp_path), {"device": "cpu"})
-    assert json.loads((tmp_path / "compare_dispatchers.json").read_text())["rows"] == rows
+    # Rank 0 wrote the outputs after the model.
+    written = json.loads((tmp_path / "compare_dispatchers.json").read_text())
+    assert written["rows"] == rows and written["world_size"] == world
     table = (tmp_path / "compare_dispatchers.md").read_text()
     assert "### tiny, 48 tokens per rank" in table and "| deepepv2-compact |" in table and "(ok)" in table
     # The plot needs matplotlib (the bench extra, not the test one); the data never depend on it.
