@@ -515,7 +515,9 @@ def bad_ids_with_host_sync_raise_in_seconds() -> None:
         else:
             raise AssertionError(f"bad ids {ids} of token {token} were dispatched")
         assert time.perf_counter() - start < 10, time.perf_counter() - start
-    exact("dispatch after the error", dv2.dispatch(x, idx, w, 32, **kwargs).recv_x, want.recv_x)
+    # Rows arrive in atomic order without deterministic mode: compare the round trip (combine sums in slot order).
+    got = dv2.dispatch(x, idx, w, 32, **kwargs)
+    exact("round trip after the error", dv2.combine(got.recv_x, got.handle), dv2.combine(want.recv_x, want.handle))
     dv2.destroy_buffers()
 
 
@@ -536,7 +538,11 @@ def no_host_sync_combine_backward_tail_rows_are_zero() -> None:
                                host_sync=False)
             grads = {}
             y = out.recv_x + bias
-            y.register_hook(lambda g: grads.setdefault("rows", g.detach().clone()))
+
+            def keep_rows_gradient(gradient: torch.Tensor) -> None:
+                grads["rows"] = gradient.detach().clone()
+
+            y.register_hook(keep_rows_gradient)
             dv2.combine(y, out.handle).backward(grad)
             torch.cuda.synchronize()
             valid = int(out.handle.num_valid_rows)
@@ -611,7 +617,11 @@ def synchronous_calls_allocate_on_the_current_stream() -> None:
     out = dv2.dispatch(xg, idx, w, 32, backend="deepep", num_max_tokens_per_rank=1024, allocate_on_comm_stream=True)
     streams["dispatch"] = _allocation_stream(out.recv_x)
     y = out.recv_x * out.recv_topk_weights.sum(dim=1, keepdim=True).to(out.recv_x.dtype)
-    y.register_hook(lambda g: streams.setdefault("combine backward", _allocation_stream(g)))
+
+    def record_stream_of(gradient: torch.Tensor) -> None:  # the combine backward's output (a cached dispatch)
+        streams["combine backward"] = _allocation_stream(gradient)
+
+    y.register_hook(record_stream_of)
     combined = dv2.combine(y, out.handle, allocate_on_comm_stream=True)
     streams["combine"] = _allocation_stream(combined)
     combined.backward(grad)
