@@ -52,6 +52,15 @@ def all_reduce_max(values: Sequence[int], group: dist.ProcessGroup) -> list[int]
 
 
 _FAILURE_PREFIX = "megatron_deepepv2/failure"
+#: Per process group: how many dispatch / combine calls this process has started on it. The ranks of a group make the
+#: same calls in the same order, so the count names a call the same way on every rank; a failure announcement carries
+#: it, and a peer reads only the announcements of the call it failed in (an earlier failure's are not its cause).
+_calls: dict[dist.ProcessGroup, int] = {}
+
+
+def count_call(group: dist.ProcessGroup) -> None:
+    """Counts a dispatch or combine call on ``group`` (at its start; a dictionary update)."""
+    _calls[group] = _calls.get(group, 0) + 1
 
 
 def _store() -> Optional[dist.Store]:
@@ -70,29 +79,37 @@ def announce_failure(group: dist.ProcessGroup, error: BaseException) -> None:
 
     A rank that raises before a collective leaves its peers blocked in that collective until it fails for them
     (the peer's process exits, the process group times out, or DeepEP's kernel timeout trips); they then name
-    this error as the cause (:func:`announced_failures`). Costs one store write, on the error path only.
+    this error as the cause (:func:`announced_failures`). The announcement is scoped to the current call (see
+    :func:`count_call`). Costs one store write, on the error path only.
     """
     store = _store()
     if store is None:
         return
     try:
-        store.set(f"{_FAILURE_PREFIX}/{_group_tag(group)}/{dist.get_rank()}", f"{type(error).__name__}: {error}")
+        store.set(f"{_FAILURE_PREFIX}/{_group_tag(group)}/{dist.get_rank()}",
+                  f"{_calls.get(group, 0)}|{type(error).__name__}: {error}")
     except Exception:  # noqa: BLE001 - best effort: the error itself is raised by the caller
         pass
 
 
 def announced_failures(group: dist.ProcessGroup) -> dict[int, str]:
-    """The errors other ranks of ``group`` announced (global rank -> message); empty when none or unreachable."""
+    """The errors other ranks of ``group`` announced in this rank's current call (global rank -> message).
+
+    Announcements of other calls (an earlier, unrelated failure) are left out. Empty when none or unreachable.
+    """
     store = _store()
     if store is None:
         return {}
     found = {}
     tag = _group_tag(group)
+    call = str(_calls.get(group, 0))
     for rank in dist.get_process_group_ranks(group):
         key = f"{_FAILURE_PREFIX}/{tag}/{rank}"
         try:
             if rank != dist.get_rank() and store.check([key]):
-                found[rank] = store.get(key).decode(errors="replace")
+                announced_call, _, message = store.get(key).decode(errors="replace").partition("|")
+                if announced_call == call:
+                    found[rank] = message
         except Exception:  # noqa: BLE001 - the store's host may be the rank that failed
             break
     return found

@@ -363,6 +363,7 @@ def dispatch(
                         "zero_padding, backend, num_max_tokens_per_rank, num_sms, host_sync, deterministic), "
                         "not both.")
     group = group if group is not None else dist.group.WORLD
+    _dist.count_call(group)
     if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
         topk_weights = topk_weights.float().contiguous()
     if isinstance(x, torch.Tensor):
@@ -512,6 +513,7 @@ def combine(
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
+    _dist.count_call(handle.backend.group)
     # The backend's mode checks ran when the dispatch's configuration was resolved.
     problem = validation.check_combine_inputs(x, handle, None)
     if problem is not None or handle.validate:

@@ -245,6 +245,41 @@ def test_bad_input_on_the_store_host_rank_still_stops_its_peer() -> None:
     assert outcomes[1][0] != "no error" and outcomes[1][2] < 30, outcomes[1]
 
 
+def _two_unrelated_failures(rank: int, world: int) -> dict:
+    """Call 1: every rank dispatches (the buffer is built). Call 2: rank 3 rejects its ids, the others fail waiting for
+    it to grow the buffer. Call 3: rank 1 rejects its dtype, ranks 0 and 2 fail waiting again; rank 3 makes no call."""
+    x, idx, w = _good(rank)
+    gen = torch.Generator().manual_seed(10 + rank)
+    big = (torch.randn(20, H, generator=gen), torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(20)]),
+           torch.rand(20, K, generator=gen))
+    dv2.dispatch(x, idx, w, E)
+    outcome = {}
+    for call, bad_rank, case in ((2, 3, "expert_out_of_range"), (3, 1, "x_dtype")):
+        if rank == bad_rank:
+            bad_x, bad_idx, bad_w, _ = _mutate(case, x, idx, w)
+            with pytest.raises((TypeError, ValueError)):
+                dv2.dispatch(bad_x, bad_idx, bad_w, E)
+            continue
+        if call == 3 and rank == 3:
+            continue
+        try:
+            dv2.dispatch(*big, E)  # more tokens than the capacity: waits for the others to grow it
+        except RuntimeError as error:
+            outcome[call] = str(error)
+    return outcome
+
+
+def test_each_failure_is_reported_with_its_own_cause() -> None:
+    """A peer's failure names the announcements of the call it failed in, not one left from an earlier failure."""
+    outcomes = run_distributed(_two_unrelated_failures, 4, env=DEFAULT_ENV, timeout=90)
+    # (The ranks that time out waiting announce that too: the reports list them beside the cause.)
+    for rank in (0, 1, 2):
+        assert "rank 3: ValueError" in outcomes[rank][2] and "outside [-1, 8)" in outcomes[rank][2], outcomes[rank]
+    for rank in (0, 2):
+        assert "rank 1: TypeError" in outcomes[rank][3] and "x has dtype torch.int32" in outcomes[rank][3]
+        assert "rank 3:" not in outcomes[rank][3] and "outside [-1, 8)" not in outcomes[rank][3], outcomes[rank][3]
+
+
 # ---------------------------------------------------------------- the device-side id check (CUDA)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device-side id check)")
 _BAD_ID_SCRIPT = """
