@@ -430,3 +430,48 @@ def _sm_setting(rank: int, world: int) -> list[int]:
 def test_sm_setting_reaches_the_buffer() -> None:
     """Megatron's SM count wins; unset -> the package default (measured); MEGATRON_DEEPEPV2_NUM_SMS=0 -> DeepEP's model."""
     run_distributed(_sm_setting, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The manager's contract with Megatron's _DeepepManager
+# ------------------------------------------------------------------------------------------------
+def _attributes_megatron_sets_up() -> set[str]:
+    """Every ``self.<name>`` that this megatron-core's ``_DeepepManager.__init__`` assigns (read from its source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(_DeepepManager.__init__)))
+    names = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        names.update(target.attr for target in targets if isinstance(target, ast.Attribute)
+                     and isinstance(target.value, ast.Name) and target.value.id == "self")
+    return names
+
+
+def _manager_contract(rank: int, world: int, layout: str) -> dict:
+    _setup()
+    import megatron_deepepv2 as dv2
+    from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.configure(layout=layout)
+    manager = build_moe_layer(TinyMoEConfig(), "deepepv2").token_dispatcher._comm_manager
+    expected = _attributes_megatron_sets_up()
+    return {"is_deepep_manager": isinstance(manager, _DeepepManager), "expected": sorted(expected),
+            "missing": sorted(name for name in expected if not hasattr(manager, name))}
+
+
+@pytest.mark.parametrize("layout", ["compact", "expand"])
+def test_manager_has_every_attribute_megatrons_deepep_manager_sets_up(layout: str) -> None:
+    """The manager inherits _DeepepManager's routing helpers without running its __init__ (which needs DeepEP v1):
+    whatever that __init__ sets up on this megatron-core must exist on ours too, or an inherited helper fails mid-step.
+    A release that adds one fails here (CI runs this on every supported megatron-core)."""
+    (report,) = run_distributed(_manager_contract, 1, layout)
+    assert report["is_deepep_manager"] and len(report["expected"]) >= 8, report
+    assert not report["missing"], f"_DeepepV2Manager lacks {report['missing']} (set up by _DeepepManager.__init__)"
