@@ -51,6 +51,18 @@ def all_reduce_max(values: Sequence[int], group: dist.ProcessGroup) -> list[int]
     return tensor.tolist()
 
 
+def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup) -> list[list[int]]:
+    """Every rank's integer vector (one small all-gather, a host sync); every rank passes the same length.
+
+    Returns:
+        One list per rank of ``group``, in group-rank order.
+    """
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
+    gathered = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return [t.tolist() for t in gathered]
+
+
 _FAILURE_PREFIX = "megatron_deepepv2/failure"
 #: Per process group: how many dispatch / combine calls this process has started on it. The ranks of a group make the
 #: same calls in the same order, so the count names a call the same way on every rank; a failure announcement carries

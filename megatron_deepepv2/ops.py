@@ -412,7 +412,14 @@ def dispatch(
         max_tokens = topk_idx.shape[0]  # the common case: nothing to raise, nothing to agree on
     else:
         num_tokens = topk_idx.shape[0] if problem is None else 0
-        max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens)
+        alike = None
+        if config.validate:  # every rank sends the same fields; one with a problem sends zeros
+            data = x[0] if isinstance(x, tuple) else x
+            alike = dict(zip(validation.DISPATCH_ALIKE, (validation.dtype_code(data.dtype), data.shape[1],
+                                                         topk_idx.shape[1], int(isinstance(x, tuple)))
+                             if problem is None else (0, 0, 0, 0)))
+        max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens,
+                                                    alike=alike)
     topk_idx = topk_idx.contiguous()
     if device_id_check and not config.host_sync:
         validation.assert_expert_ids_on_device(topk_idx, num_experts, group)

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build of 
     triton = None
     tl = None
 
-from megatron_deepepv2._dist import all_reduce_max, announce_failure
+from megatron_deepepv2._dist import all_gather_ints, all_reduce_max, announce_failure
 from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
 
 _FP8_DTYPES = tuple(
@@ -412,29 +412,54 @@ def check_combine_inputs(
     return None
 
 
+#: What every rank's dispatch inputs must share, in the order :func:`raise_on_every_rank` agrees on them.
+DISPATCH_ALIKE = ("dtype", "hidden size", "top-k", "FP8")
+#: dtypes by a small code, for the cross-rank agreement (0: any other dtype).
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming ``dtype`` the same on every rank (see :func:`raise_on_every_rank`)."""
+    return _DTYPE_CODES.index(dtype) + 1 if dtype in _DTYPE_CODES else 0
+
+
+def _describe(field: str, value: int) -> str:
+    if field == "dtype":
+        return str(_DTYPE_CODES[value - 1]).removeprefix("torch.") if 0 < value <= len(_DTYPE_CODES) else "another"
+    if field == "FP8":
+        return "yes" if value else "no"
+    return str(value)
+
+
 def raise_on_every_rank(
     problem: Optional[Exception],
     group: dist.ProcessGroup,
     *,
     agree: bool,
     num_tokens: int = 0,
+    alike: Optional[dict[str, int]] = None,
 ) -> int:
     """Raises ``problem``; with ``agree``, first makes every rank of ``group`` raise together.
 
-    With ``agree`` the ranks run one small all-reduce carrying an error flag per rank and the token
-    count, so a problem on any rank stops all of them before the dispatch's collectives start.
+    With ``agree`` the ranks run one small all-reduce carrying an error flag per rank, the token count, and the
+    largest and smallest of each value in ``alike``, so a problem on any rank -- or ranks whose inputs differ where
+    they must be alike (dtype, hidden size, top-k, FP8-ness: the layout of the exchange) -- stops all of them before
+    the dispatch's collectives start. Only when they differ does a second collective gather every rank's values, to
+    name them.
 
     Args:
         problem: This rank's problem, or None.
         group: Process group of the dispatch.
         agree: Share the outcome over ``group`` (the ``validate`` setting).
         num_tokens: This rank's token count, maximised over the group alongside.
+        alike: Integer-coded values every rank must share (``dtype`` as :func:`dtype_code`), or None.
 
     Returns:
         The largest token count over the group (``num_tokens`` itself without ``agree``).
 
     Raises:
-        TypeError, ValueError: This rank's problem, or a ValueError naming the ranks that had one.
+        TypeError, ValueError: This rank's problem, or a ValueError naming the ranks that had one, or naming each
+            rank's values where they differ.
     """
     if not agree:
         if problem is not None:
@@ -444,7 +469,9 @@ def raise_on_every_rank(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     flags = [0] * world
     flags[rank] = int(problem is not None)
-    agreed = all_reduce_max(flags + [num_tokens], group)
+    fields = list((alike or {}).items())  # the same names on every rank (a rank with a problem sends zeros)
+    values = [value for _, value in fields]
+    agreed = all_reduce_max(flags + [num_tokens] + values + [-value for value in values], group)
     failed = [r for r in range(world) if agreed[r]]
     if problem is not None:
         raise problem
@@ -453,4 +480,19 @@ def raise_on_every_rank(
             f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine inputs (their error "
             "says why); this rank's inputs were valid but it stops too instead of waiting for them."
         )
-    return agreed[-1]
+    count = len(values)
+    highs, lows = agreed[world + 1:world + 1 + count], [-v for v in agreed[world + 1 + count:]]
+    differing = [name for (name, _), high, low in zip(fields, highs, lows) if high != low]
+    if differing:
+        ranks = dist.get_process_group_ranks(group)
+        every = all_gather_ints(values, group)
+        described = "; ".join(
+            f"rank {ranks[r]}: " + ", ".join(f"{name} {_describe(name, v)}" for (name, _), v in zip(fields, every[r])
+                                             if name in differing)
+            for r in range(world))
+        raise ValueError(
+            f"The ranks of the expert-parallel group dispatch inputs whose {', '.join(differing)} differ ({described}). "
+            "Every rank must pass the same dtype, hidden size, top-k and FP8-ness: they fix the layout of the "
+            "exchange. Give every rank the same model configuration."
+        )
+    return agreed[world]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -278,6 +280,42 @@ def test_each_failure_is_reported_with_its_own_cause() -> None:
     for rank in (0, 2):
         assert "rank 1: TypeError" in outcomes[rank][3] and "x has dtype torch.int32" in outcomes[rank][3]
         assert "rank 3:" not in outcomes[rank][3] and "outside [-1, 8)" not in outcomes[rank][3], outcomes[rank][3]
+
+
+def _unlike_inputs(rank: int, world: int, field: str) -> tuple[str, str]:
+    """Validation on; rank 1 dispatches inputs unlike the others' in ``field``."""
+    dv2.configure(validate=True)
+    x, idx, w = _good(rank)
+    if rank == 1:
+        if field == "dtype":
+            x = x.double()
+        elif field == "hidden size":
+            x = torch.randn(T, 2 * H)
+        elif field == "top-k":
+            idx = torch.cat([idx, (idx[:, :1] + 1) % E], dim=1)
+            idx[:, 2] = torch.where(idx[:, 2] == idx[:, 1], -1, idx[:, 2])
+            w = torch.rand(T, K + 1)
+        elif field == "FP8":
+            x = (x.to(torch.float8_e4m3fn), torch.ones(T, 1))
+    try:
+        dv2.dispatch(x, idx, w, E)
+    except ValueError as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("field,rank1,others", [("dtype", "float64", "float32"), ("hidden size", "16", "8"),
+                                                ("top-k", "3", "2"), ("FP8", "yes", "no")])
+def test_ranks_that_dispatch_unlike_inputs_all_raise_naming_them(world: int, field: str, rank1: str,
+                                                                  others: str) -> None:
+    """Under validation, inputs that differ across the ranks where the exchange needs them alike (which would crash
+    gloo or receive garbage) make every rank raise a ValueError naming each rank's value."""
+    outcomes = run_distributed(_unlike_inputs, world, field, env={"MEGATRON_DEEPEPV2_VALIDATE": "1"}, timeout=60)
+    for rank, (kind, message) in enumerate(outcomes):
+        assert kind == "ValueError" and field in message.split(" differ (")[0].split("whose ")[-1], (rank, message)
+        assert re.search(f"rank 1: [^;)]*{field} {rank1}", message), message
+        assert re.search(f"rank 0: [^;)]*{field} {others}", message), message
 
 
 # ---------------------------------------------------------------- the device-side id check (CUDA)
