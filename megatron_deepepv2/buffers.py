@@ -14,8 +14,11 @@ rebuild must not destroy the superseded buffer: it is *retired*, still usable by
 destroyed once none does. Destroying is collective (DeepEP barriers), so it happens at a point every rank reaches in
 the same order -- the start of a later dispatch on the same group -- and only when every rank agrees, through one
 small all-reduce, that no handle uses the buffer any more. That all-reduce runs only while a retired buffer waits
-(a few calls after a rebuild), never in steady state and never during CUDA-graph capture; :func:`destroy_buffers`
-releases everything at shutdown.
+(a few calls after a rebuild), never in steady state and never during CUDA-graph capture. Dispatches without host
+sync skip it (reading its result would synchronise the host): their retired buffers go at the next build, whose
+all-reduce carries the same flags, or at :func:`destroy_buffers`, which releases everything at shutdown. Their
+memory is held until then (capacity only grows, so all of them together take less than the current buffer; a
+configured capacity never rebuilds).
 
 Token capacity (``num_max_tokens_per_rank``) is the same on every rank, as DeepEP requires (it is a JIT
 constant and a layout parameter). It comes from configuration, exactly as configured (it sizes the worst-case
@@ -121,6 +124,7 @@ def get_buffer(
     deterministic: bool = False,
     num_sms: int = 0,
     growth_timeout_s: float = 120.0,
+    host_sync: bool = True,
 ) -> DispatchBackend:
     """Returns the buffer for ``group``, building or rebuilding it when needed.
 
@@ -135,6 +139,9 @@ def get_buffer(
         deterministic: Build the buffer in deterministic mode.
         num_sms: SMs for the communication kernels (0 = backend's choice).
         growth_timeout_s: How long a build waits for the other ranks of ``group`` to build too.
+        host_sync: Whether the calling dispatch may synchronise the host. Without, retired buffers are not released
+            here (agreeing that no rank uses them reads a device value) but at the next build or
+            :func:`destroy_buffers`.
 
     Returns:
         A buffer whose capacity is at least ``num_tokens``.
@@ -145,8 +152,10 @@ def get_buffer(
             exceeds the capacity and theirs do not).
     """
     key = (backend_cls.name, group, hidden, num_topk, use_fp8, deterministic, num_sms)
-    if group in _retired and not _is_capturing():
-        _release_unused(group)  # collective: every rank reaches this dispatch in the same order
+    if host_sync and group in _retired and not _is_capturing():
+        # Collective: every rank reaches this dispatch in the same order (and mixes no host-sync dispatches on a
+        # group with others in a different order: the mode is a per-layer configuration, the same on every rank).
+        _drop_unused(group, all_reduce_max(_retired_in_use(group), group))
     current = _buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
         return current  # steady state: no collective
@@ -184,9 +193,11 @@ def get_buffer(
                 "lock-step).")
         announce_failure(group, problem)
         raise problem
-    # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the
-    # largest batch before building.
-    (largest,) = all_reduce_max([num_tokens], group)
+    # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the largest batch
+    # before building, and on which retired buffers no rank uses any more (released here, in every mode).
+    largest, *in_use = all_reduce_max([num_tokens, *_retired_in_use(group)], group)
+    if group in _retired:
+        _drop_unused(group, in_use)
     # Only a learnt capacity (largest batch) is rounded to a power of two, so that batches of varying size rebuild
     # (and recompile DeepEP's kernels) rarely.
     capacity = max(capacity, next_power_of_two(largest) if not configured_capacity else largest)
@@ -231,13 +242,17 @@ def _forget(buffer: DispatchBackend) -> None:
     _handles.pop(buffer, None)
 
 
-def _release_unused(group: dist.ProcessGroup) -> None:
-    """Destroys the retired buffers of ``group`` that no rank's handles use any more (collective)."""
-    retired = _retired[group]
-    # One flag per retired buffer, the same list on every rank (rebuilds are collective): 1 = still in use here.
-    in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], group)
+def _retired_in_use(group: dist.ProcessGroup) -> list[int]:
+    """One flag per retired buffer of ``group``, the same list on every rank (rebuilds are collective): 1 = a handle
+    of this rank still uses it."""
+    return [int(_in_use(buffer)) for buffer in _retired.get(group, ())]
+
+
+def _drop_unused(group: dist.ProcessGroup, in_use: list[int]) -> None:
+    """Destroys the retired buffers of ``group`` whose flag, agreed over the ranks, says no rank uses them
+    (collective: DeepEP's destroy synchronises the ranks)."""
     keep = []
-    for buffer, used in zip(retired, in_use):
+    for buffer, used in zip(_retired[group], in_use):
         if used:
             keep.append(buffer)
             continue

@@ -437,6 +437,7 @@ def dispatch(
             deterministic=config.deterministic,
             num_sms=config.num_sms,
             growth_timeout_s=config.growth_timeout_s,
+            host_sync=config.host_sync,
         )
         recv_x, recv_weights, recv_scales, recv_idx, handle = _apply_dispatch(
             buffer, data, scales, topk_idx, topk_weights, num_experts, config, (async_finish, allocate_on_comm_stream))

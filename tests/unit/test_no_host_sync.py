@@ -420,3 +420,53 @@ def test_receive_bound_configuration_errors() -> None:
     assert "must be a positive factor" in errors[0]
     assert "MEGATRON_DEEPEPV2_LAYOUT=expand" in errors[1]
     assert errors[2] == "1.5"
+
+
+def _rebuild_with_micro_batches_in_flight(rank: int, world: int, layout: str) -> dict:
+    """Capacity learnt (not configured): a larger micro-batch rebuilds the buffer while the first one's handle waits
+    for its backward. The dispatches after the rebuild, and every backward, run with host reads forbidden."""
+    from megatron_deepepv2 import buffers
+
+    dv2.configure(no_host_sync=True, validate=False, num_max_tokens_per_rank=None)
+    released_before = buffers.buffer_stats().released
+
+    def micro_batch(seed: int, tokens: list[int]):
+        problem = make_problem(seed, tokens, HIDDEN, EXPERTS, TOPK)
+        rows = problem.rows(rank)
+        x = problem.x[rows].clone().requires_grad_()
+        w = problem.topk_weights[rows].clone().requires_grad_()
+        idx = problem.topk_idx[rows]
+        out = dv2.dispatch(x, idx, w, EXPERTS, layout=layout, expert_alignment=2, zero_padding=layout == "expand")
+        weights = out.recv_topk_weights.unsqueeze(1) if layout == "expand" else \
+            out.recv_topk_weights.sum(dim=1, keepdim=True)
+        return x, w, idx, problem.grad_out[rows], dv2.combine(out.recv_x * weights, out.handle)
+
+    first = micro_batch(1, [6, 5, 3, 7][:world])  # builds the buffer: capacity 8
+    second = micro_batch(2, [20, 18, 9, 17][:world])  # rebuilds it (capacity 32): the first buffer is retired
+    retired_in_flight = len(buffers.retired_buffers())
+    with no_host_reads():
+        third = micro_batch(3, [7, 8, 2, 5][:world])
+        for x, w, idx, grad, y in (first, third, second):
+            (y * grad).sum().backward()
+    retired_after_backwards = len(buffers.retired_buffers())
+    # Independent oracle: each token comes back scaled by the sum of its selected weights (which the op casts to
+    # fp32, hence the tolerance).
+    tol = dict(rtol=1e-6, atol=1e-6)
+    for x, w, idx, grad, y in (first, second, third):
+        selected = w.detach() * (idx >= 0)
+        torch.testing.assert_close(y, x.detach() * selected.sum(dim=1, keepdim=True), **tol)
+        torch.testing.assert_close(x.grad, grad * selected.sum(dim=1, keepdim=True), **tol)
+        torch.testing.assert_close(w.grad, (grad * x.detach()).sum(dim=1, keepdim=True) * (idx >= 0), **tol,
+                                   check_dtype=False)  # the weights are fp32
+    del first, second, third, x, w, idx, grad, y
+    micro_batch(4, [40, 33, 12, 40][:world])  # the next build releases the first buffer: no rank uses it now
+    return {"retired_in_flight": retired_in_flight, "retired_after_backwards": retired_after_backwards,
+            "released_at_next_build": buffers.buffer_stats().released - released_before}
+
+
+@pytest.mark.parametrize("layout", ["compact", "expand"])
+def test_no_host_sync_stays_host_sync_free_after_a_capacity_rebuild(layout: str) -> None:
+    """Releasing a retired buffer needs the ranks to agree that no handle uses it (a device read): without host sync
+    that waits for the next build, which agrees anyway, instead of running at every dispatch."""
+    for report in run_distributed(_rebuild_with_micro_batches_in_flight, 2, layout, timeout=120):
+        assert report == {"retired_in_flight": 1, "retired_after_backwards": 1, "released_at_next_build": 1}, report
