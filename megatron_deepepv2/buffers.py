@@ -213,6 +213,9 @@ def get_buffer(
     buffer = backend_cls(group, spec)
     _buffers[key] = buffer
     _stats.builds += 1
+    logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
+                "%s, %d ranks%s)", backend_cls.name, buffer.num_bytes / 2**20, capacity, hidden, num_topk,
+                "FP8" if use_fp8 else "BF16", buffer.group_size, ", deterministic" if deterministic else "")
     return buffer
 
 

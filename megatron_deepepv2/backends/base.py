@@ -424,6 +424,11 @@ class DispatchBackend(ABC):
             ``[T, H]`` combined rows and, when weights were given, ``[T, K]`` fp32 weights.
         """
 
+    @property
+    def num_bytes(self) -> int:
+        """Device memory this buffer holds for its lifetime, in bytes (0 for backends that allocate per call)."""
+        return 0
+
     def capture_event(self) -> Optional[Any]:
         """Captures an event on the current stream for ``previous_event`` (None when not needed).
 

@@ -248,19 +248,12 @@ class DeepEPBackend(DispatchBackend):
             allow_multiple_reduction=True,  # expand combine with weights needs it
             explicitly_destroy=True,
         )
-        logger.info(
-            "Built DeepEP %s %s: %d ranks, %d bytes, T_max=%d, hidden=%d, top-k=%d, fp8=%s, deterministic=%s, hybrid=%s",
-            self.line_calls.line.name,
-            self.line_calls.line.buffer_class,
-            self.group_size,
-            self.buffer.num_bytes,
-            spec.num_max_tokens_per_rank,
-            spec.hidden,
-            spec.num_topk,
-            spec.use_fp8,
-            spec.deterministic,
-            allow_hybrid,
-        )
+        logger.info("DeepEP %s %s: %s mode", self.line_calls.line.name, self.line_calls.line.buffer_class,
+                    "hybrid (RDMA x NVLink)" if allow_hybrid else "direct")
+
+    @property
+    def num_bytes(self) -> int:
+        return self.buffer.num_bytes if self.buffer is not None else 0
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:

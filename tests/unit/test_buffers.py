@@ -87,3 +87,36 @@ def test_growth_with_one_rank_exceeding_under_validation() -> None:
 
 def test_configured_capacity_is_used_exactly() -> None:
     run_distributed(_configured_capacity_worker, 2)
+
+
+def _build_logs(rank: int, world: int, backend: str) -> list[str]:
+    import logging
+
+    if backend == "deepep":
+        from tests.unit.test_deepep_adapter import use_stand_in_backend
+
+        use_stand_in_backend()
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("megatron_deepepv2.buffers")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    dv2.configure(backend=backend, validate=False)
+    _dispatch(5, hidden=8)
+    _dispatch(20, hidden=8)  # grows the capacity: a second build
+    return [message for message in records if message.startswith("Built")]
+
+
+def test_each_build_logs_its_memory_and_the_capacity_it_was_sized_for() -> None:
+    """Users budget the buffers from these lines: bytes (DeepEP's buffer; 0 for the reference backend, which
+    allocates per call) and the tokens per rank each build was sized for."""
+    for backend, mib in (("reference", "0.0 MiB"), ("deepep", "2.0 MiB")):
+        (logs, _) = run_distributed(_build_logs, 2, backend, env={"LOCAL_WORLD_SIZE": "2"})
+        assert len(logs) == 2, logs
+        assert logs[0] == f"Built the {backend} buffer: {mib} of device memory, sized for 8 tokens per rank " \
+                          "(hidden 8, top-k 2, BF16, 2 ranks)", logs
+        assert "sized for 32 tokens per rank" in logs[1], logs
