@@ -10,7 +10,8 @@ created on ``torch.cuda.current_device()``, device-to-host split conversion). On
 * ``moe_utils.maybe_move_tensor_to_cpu`` also converts CPU split tensors to numpy, as it does for CUDA
   tensors, because ``all_to_all_single`` takes split sizes as lists, not tensors;
 * ``torch.compile`` of Megatron's ``@jit_fuser`` functions is disabled (no inductor C++ build per test);
-* the model-parallel CUDA RNG tracker's ``fork()`` (attention, dropout) forks the CPU generator instead.
+* the model-parallel CUDA RNG tracker's ``fork()`` (attention, dropout) forks the CPU generator instead;
+* Megatron's pipeline schedules create their token counter with ``device="cuda"``: it is created on the CPU.
 
 With CUDA available it does nothing. It is never used on the library path.
 """
@@ -111,4 +112,22 @@ def install_cpu_shims() -> None:
             yield
 
     tp_random.CudaRNGStatesTracker.fork = fork_cpu_rng
+
+    from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
+
+    schedules.torch = _TorchOnCpu()
     _installed = True
+
+
+class _TorchOnCpu:
+    """``torch`` as Megatron's pipeline schedules see it on CPU: ``torch.zeros(..., device="cuda")`` (their token
+    counter) lands on the CPU; everything else is ``torch`` itself."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
