@@ -106,6 +106,23 @@ class DispatchConfig:
     #: configuration: not a setting, a memo (a configuration made by replace() starts with none).
     passed_static_checks: set = field(default_factory=set, init=False, repr=False, compare=False)
 
+    def __deepcopy__(self, memo: dict) -> "DispatchConfig":
+        # Immutable but for the memo, a cache that copies may share: a deep copy of a Megatron TransformerConfig
+        # that carries this configuration gets the same object (the memo holds process groups, which cannot be
+        # copied).
+        return self
+
+    def __getstate__(self) -> dict:
+        # Pickled without the memo (its signatures hold process groups, which cannot be pickled); it starts empty.
+        state = dict(self.__dict__)
+        state.pop("passed_static_checks", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "passed_static_checks", set())
+
     def remember_static_pass(self, signature: tuple) -> None:
         """Records that inputs of ``signature`` passed the static checks (bounded: callers whose shapes change every
         call, e.g. variable-length batches, start over past 256 signatures)."""

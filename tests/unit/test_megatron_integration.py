@@ -475,3 +475,30 @@ def test_manager_has_every_attribute_megatrons_deepep_manager_sets_up(layout: st
     (report,) = run_distributed(_manager_contract, 1, layout)
     assert report["is_deepep_manager"] and len(report["expected"]) >= 8, report
     assert not report["missing"], f"_DeepepV2Manager lacks {report['missing']} (set up by _DeepepManager.__init__)"
+
+
+def _copy_after_a_step(rank: int, world: int) -> dict:
+    import copy
+    import pickle
+
+    _setup()
+    from megatron_deepepv2.manager import dispatch_config_for
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
+    _forward_backward(layer, torch.randn(6, 1, layer.config.hidden_size, generator=torch.Generator().manual_seed(rank)))
+    resolved = dispatch_config_for(layer.config)
+    assert resolved.passed_static_checks, "the step should have memoised its static checks"
+    copied = copy.deepcopy(layer.config)
+    restored = pickle.loads(pickle.dumps(layer.config))
+    return {"copied_same": dispatch_config_for(copied) == resolved,
+            "restored_same": dispatch_config_for(restored) == resolved,
+            "restored_memo": len(dispatch_config_for(restored).passed_static_checks),
+            "hidden": (copied.hidden_size, restored.hidden_size)}
+
+
+def test_transformer_config_deep_copies_and_pickles_after_a_deepepv2_step() -> None:
+    """Megatron deep-copies configs (checkpointing, model builders): the dispatch configuration the manager keeps on
+    the TransformerConfig must not make that fail after the first step."""
+    for report in run_distributed(_copy_after_a_step, 2):
+        assert report == {"copied_same": True, "restored_same": True, "restored_memo": 0, "hidden": (64, 64)}, report
