@@ -153,8 +153,8 @@ def get_buffer(
     """
     key = (backend_cls.name, group, hidden, num_topk, use_fp8, deterministic, num_sms)
     if host_sync and group in _retired and not _is_capturing():
-        # Collective: every rank reaches this dispatch in the same order (and mixes no host-sync dispatches on a
-        # group with others in a different order: the mode is a per-layer configuration, the same on every rank).
+        # Collective: every rank reaches this dispatch in the same order (host sync or not is part of a layer's
+        # configuration, the same on every rank).
         _drop_unused(group, all_reduce_max(_retired_in_use(group), group))
     current = _buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
