@@ -40,7 +40,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
 from megatron_deepepv2 import ops
-from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, uninitialized_memory_fill_off
+from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, align_up, uninitialized_memory_fill_off
 from megatron_deepepv2.config import get_settings
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class _DeepepV2Manager(_DeepepManager):
         alignment = self.dispatch_config.expert_alignment
         selections = math.ceil(handle.backend.spec.num_max_tokens_per_rank * self.router_topk * self.rank_capacity_factor)
         rows = selections + self.num_local_experts * (alignment - 1)
-        return min(-(-rows // alignment) * alignment, handle.num_recv_rows)
+        return min(align_up(rows, alignment), handle.num_recv_rows)
 
     def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Hands the experts the first :meth:`receive_bound` rows; rows past it are dropped and counted.

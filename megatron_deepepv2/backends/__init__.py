@@ -26,6 +26,7 @@ from megatron_deepepv2.backends.base import (
     ExpertLayout,
     HiddenStates,
     uninitialized_memory_fill_off,
+    align_up,
     worst_case_recv_rows,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
@@ -110,5 +111,6 @@ __all__ = [
     "register_backend",
     "resolve_backend",
     "uninitialized_memory_fill_off",
+    "align_up",
     "worst_case_recv_rows",
 ]

@@ -36,7 +36,7 @@ import enum
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Optional, Protocol, Union
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Optional, Protocol, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -257,6 +257,15 @@ class CombineOutput(NamedTuple):
     event: CommEvent
 
 
+_Count = TypeVar("_Count", int, torch.Tensor)
+
+
+def align_up(value: _Count, alignment: int) -> _Count:
+    """``value`` rounded up to a multiple of ``alignment``: the one align-up of the package (ints and int tensors,
+    on the device for tensors)."""
+    return (value + alignment - 1) // alignment * alignment
+
+
 def worst_case_recv_rows(
     layout: ExpertLayout,
     *,
@@ -284,7 +293,7 @@ def worst_case_recv_rows(
         return group_size * num_max_tokens_per_rank
     rows = group_size * num_max_tokens_per_rank * min(num_topk, num_local_experts)
     rows += (expert_alignment - 1) * num_local_experts
-    return -(-rows // expert_alignment) * expert_alignment
+    return align_up(rows, expert_alignment)
 
 
 class DispatchBackend(ABC):

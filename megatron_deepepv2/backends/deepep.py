@@ -56,6 +56,7 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
+    align_up,
     uninitialized_memory_fill_off,
 )
 
@@ -187,7 +188,7 @@ def aligned_counts_from_psum(psum: torch.Tensor, alignment: int, expand: bool) -
     """
     psum = psum.to(torch.int64)
     if expand:
-        psum = (psum + alignment - 1) // alignment * alignment  # aligned end of each expert block
+        psum = align_up(psum, alignment)  # aligned end of each expert block
     return torch.diff(psum, prepend=psum.new_zeros(1))
 
 

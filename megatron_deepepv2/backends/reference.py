@@ -48,6 +48,7 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
+    align_up,
     worst_case_recv_rows,
 )
 
@@ -210,10 +211,6 @@ def _local_expert_counts(local_idx: torch.Tensor, num_local_experts: int) -> tor
     return _counts_of_sorted(torch.sort(bins).values, num_local_experts)
 
 
-def _align_up(counts: torch.Tensor, alignment: int) -> torch.Tensor:
-    return (counts + alignment - 1) // alignment * alignment
-
-
 def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
@@ -313,7 +310,7 @@ class ReferenceBackend(DispatchBackend):
         # unselected entries (expert id num_local_experts) sort last.
         expert, order = torch.sort(flat_expert, stable=True)
         counts = _counts_of_sorted(expert, num_local_experts)
-        aligned = _align_up(counts, expert_alignment)
+        aligned = align_up(counts, expert_alignment)
         if host_sync:
             aligned_host = aligned.tolist()  # the only device-to-host copy of an expand dispatch
             num_expanded = sum(aligned_host)
@@ -444,7 +441,7 @@ class ReferenceBackend(DispatchBackend):
             num_valid_rows = tokens_per_expert.sum()
         else:
             counts = _local_expert_counts(recv_local_idx.flatten(), num_local_experts)
-            tokens_per_expert = _align_up(counts, expert_alignment)
+            tokens_per_expert = align_up(counts, expert_alignment)
             tokens_per_expert_list = tokens_per_expert.tolist() if host_sync else None
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
