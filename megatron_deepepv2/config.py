@@ -15,6 +15,7 @@ tests change settings with :func:`configure` or, temporarily, :func:`settings_ov
 | ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 64 (measured, see below); Megatron's SM setting wins when set |
 | ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
 | ``no_host_sync`` | ``MEGATRON_DEEPEPV2_NO_HOST_SYNC`` | off (dispatch waits on the host for exact sizes) |
+| ``fp8_dispatch`` | ``MEGATRON_DEEPEPV2_FP8_DISPATCH`` | off (hidden states dispatched in BF16) |
 | ``manager`` | ``MEGATRON_DEEPEPV2_MANAGER`` | ``plugin``: this package's manager, also where megatron-core ships its own |
 """
 
@@ -76,6 +77,9 @@ class DeepepV2Settings:
             ``num_max_tokens_per_rank``, counts kept on the device, no ``.item()``/``.tolist()`` on the path,
             so a MoE layer can be captured in a CUDA graph. Needs the expand layout and experts that take
             device-side counts (see :mod:`megatron_deepepv2.experts`).
+        fp8_dispatch: Dispatch the hidden states as e4m3 with one scale per 128 values (about half the bytes) and
+            hand the experts BF16 rows again; combine and backward stay BF16 (:mod:`megatron_deepepv2.fp8`).
+            Needs BF16 hidden states with a hidden size that is a multiple of 128.
         manager: Which ``_DeepepV2Manager`` deepepv2 layers get on a megatron-core that ships its own:
             ``plugin`` (this package's: expand layout, no host sync, CUDA graphs, determinism, DeepEP lines) or
             ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing). Read by
@@ -92,6 +96,7 @@ class DeepepV2Settings:
     num_sms: int = DEFAULT_NUM_SMS
     allow_hybrid_mode: Optional[bool] = None
     no_host_sync: bool = False
+    fp8_dispatch: bool = False
     manager: str = "plugin"
 
     def __post_init__(self) -> None:
@@ -139,7 +144,7 @@ class DeepepV2Settings:
 def _parse_env_value(name: str, raw: str) -> Any:
     variable = _ENV_PREFIX + name.upper()
     text = raw.strip().lower()
-    if name in ("validate", "check_ids", "deterministic", "allow_hybrid_mode", "no_host_sync"):
+    if name in ("validate", "check_ids", "deterministic", "allow_hybrid_mode", "no_host_sync", "fp8_dispatch"):
         if name == "allow_hybrid_mode" and text in ("", "auto"):
             return None
         if text in _TRUE:

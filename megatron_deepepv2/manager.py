@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
-from megatron_deepepv2 import ops
+from megatron_deepepv2 import fp8, ops
 from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, align_up, uninitialized_memory_fill_off
 from megatron_deepepv2.config import get_settings
 
@@ -87,7 +87,9 @@ def dispatch_config_for(config) -> ops.DispatchConfig:
         The configuration.
 
     Raises:
-        ValueError: If no-host-sync mode is asked for with the compact layout, or the backend cannot run the mode.
+        ValueError: If no-host-sync mode is asked for with the compact layout, the backend cannot run the mode, or
+            FP8 dispatch is asked for with a hidden size that is not a multiple of 128.
+        TypeError: If FP8 dispatch is asked for by a model that does not train in BF16.
         ImportError: If the configured backend was named explicitly and cannot run.
     """
     resolved = getattr(config, "_deepepv2_dispatch_config", None)
@@ -114,6 +116,14 @@ def dispatch_config_for(config) -> ops.DispatchConfig:
         # The manager's ids come from torch.topk (setup_metadata): in range and distinct by construction.
         check_ids=False,
     )
+    if resolved.fp8_dispatch:  # at layer construction, not mid-step
+        bf16 = bool(getattr(config, "bf16", False)) or getattr(config, "params_dtype", None) == torch.bfloat16
+        if not bf16:
+            raise TypeError("FP8 dispatch (MEGATRON_DEEPEPV2_FP8_DISPATCH=1) quantises BF16 hidden states; this model "
+                            "does not train in BF16. Add --bf16 or turn FP8 dispatch off.")
+        problem = fp8.fp8_hidden_size_problem(config.hidden_size)
+        if problem is not None:
+            raise problem
     object.__setattr__(config, "_deepepv2_dispatch_config", resolved)
     return resolved
 

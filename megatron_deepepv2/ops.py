@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2 import _dist, buffers, validation
+from megatron_deepepv2 import _dist, buffers, fp8, validation
 from megatron_deepepv2._dist import group_size
 from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLayout, HiddenStates, resolve_backend
 from megatron_deepepv2.config import get_settings
@@ -86,6 +86,8 @@ class DispatchConfig:
         growth_timeout_s: How long a capacity growth waits for the other ranks (the ``growth_timeout_s`` setting).
         mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts. A caller that
             ignores those entries (Megatron's multihot conversion does) turns it off and saves a pass.
+        fp8_dispatch: Quantise BF16 hidden states to e4m3 with 1x128 scales for the dispatch and hand back BF16
+            rows (:mod:`megatron_deepepv2.fp8`); gradients stay BF16.
         passed_static_checks: Not a setting: the input signatures whose static checks passed under this
             configuration, so that they are not redone per call.
     """
@@ -102,6 +104,7 @@ class DispatchConfig:
     check_ids: bool = True
     growth_timeout_s: float = 120.0
     mask_foreign_weights: bool = True
+    fp8_dispatch: bool = False
     #: Input signatures (types, shapes, dtypes, devices, experts, group) whose static checks passed with this
     #: configuration: not a setting, a memo (a configuration made by replace() starts with none).
     passed_static_checks: set = field(default_factory=set, init=False, repr=False, compare=False)
@@ -144,6 +147,7 @@ class DispatchConfig:
         deterministic: Optional[bool] = None,
         mask_foreign_weights: bool = True,
         check_ids: Optional[bool] = None,
+        fp8_dispatch: Optional[bool] = None,
     ) -> "DispatchConfig":
         """Resolves the arguments of :func:`dispatch` (None = the process-wide setting) into a configuration.
 
@@ -168,6 +172,7 @@ class DispatchConfig:
             check_ids=settings.check_ids if check_ids is None else bool(check_ids),
             growth_timeout_s=float(settings.growth_timeout_s),
             mask_foreign_weights=bool(mask_foreign_weights),
+            fp8_dispatch=settings.fp8_dispatch if fp8_dispatch is None else bool(fp8_dispatch),
         )
         problem = config.backend.preflight(host_sync=config.host_sync, deterministic=config.deterministic)
         if problem is not None:
@@ -199,8 +204,12 @@ class _DispatchFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):  # type: ignore[override]
         backend, config = call.backend, call.config
+        if config.fp8_dispatch:  # quantised here, so that the backward is the BF16 one (straight through for x)
+            data = fp8.quantize_e4m3_1x128(x)
+        else:
+            data = x if call.scales is None else (x, call.scales)
         out = backend.dispatch(
-            x if call.scales is None else (x, call.scales),
+            data,
             call.topk_idx,
             topk_weights,
             num_experts=call.num_experts,
@@ -215,7 +224,10 @@ class _DispatchFunction(torch.autograd.Function):
         )
         if call.async_finish:  # else the backend returned a completed event (the contract): nothing to wait for
             out.event.wait()
-        if call.scales is None:
+        if config.fp8_dispatch:
+            recv_x, recv_scales = fp8.dequantize_e4m3_1x128(
+                *out.recv_x, dtype=x.dtype, num_valid_rows=None if config.host_sync else out.handle.num_valid_rows), None
+        elif call.scales is None:
             recv_x, recv_scales = out.recv_x, None
         else:
             recv_x, recv_scales = out.recv_x
@@ -331,6 +343,7 @@ def dispatch(
     allocate_on_comm_stream: bool = False,
     host_sync: Optional[bool] = None,
     deterministic: Optional[bool] = None,
+    fp8_dispatch: Optional[bool] = None,
     config: Optional[DispatchConfig] = None,
 ) -> DispatchResult:
     """Sends tokens to the ranks of their experts (differentiable in ``x`` and ``topk_weights``).
@@ -358,6 +371,8 @@ def dispatch(
             and weight 0.
         deterministic: Bit-exact run to run (default: the ``deterministic`` setting); the buffer is rebuilt
             when this changes.
+        fp8_dispatch: Send BF16 ``x`` as e4m3 with 1x128 scales and receive BF16 rows (default: the
+            ``fp8_dispatch`` setting); differentiable as without it (:mod:`megatron_deepepv2.fp8`).
         config: A configuration from :meth:`DispatchConfig.resolve` to use instead of ``layout`` ...
             ``deterministic`` (leave those at their defaults): what repeated callers pass, so nothing is
             resolved per call.
@@ -372,13 +387,13 @@ def dispatch(
         ImportError: An explicitly requested backend cannot run here.
     """
     arguments = (backend, layout, expert_alignment, zero_padding, num_max_tokens_per_rank, num_sms, host_sync,
-                 deterministic)
+                 deterministic, fp8_dispatch)
     if config is None:
         config = _config_for_arguments(arguments)
     elif arguments != _CONFIG_ARGUMENT_DEFAULTS:
         raise TypeError("dispatch() takes either config= or the settings it resolves (layout, expert_alignment, "
-                        "zero_padding, backend, num_max_tokens_per_rank, num_sms, host_sync, deterministic), "
-                        "not both.")
+                        "zero_padding, backend, num_max_tokens_per_rank, num_sms, host_sync, deterministic, "
+                        "fp8_dispatch), not both.")
     group = group if group is not None else dist.group.WORLD
     _dist.count_call(group)
     if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
@@ -421,6 +436,8 @@ def dispatch(
             num_max_tokens_per_rank=config.num_max_tokens_per_rank,
             check_values=host_id_check,
         )
+        if problem is None and config.fp8_dispatch:
+            problem = fp8.fp8_dispatch_problem(x)
         if problem is None and signature is not None:
             config.remember_static_pass(signature)
     if problem is None and device_id_check and config.host_sync:
@@ -433,7 +450,7 @@ def dispatch(
         if config.validate:  # every rank sends the same fields; one with a problem sends zeros
             data = x[0] if isinstance(x, tuple) else x
             alike = dict(zip(validation.DISPATCH_ALIKE, (validation.dtype_code(data.dtype), data.shape[1],
-                                                         topk_idx.shape[1], int(isinstance(x, tuple)))
+                                                         topk_idx.shape[1], int(isinstance(x, tuple) or config.fp8_dispatch))
                              if problem is None else (0, 0, 0, 0)))
         max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens,
                                                     alike=alike)
@@ -448,7 +465,7 @@ def dispatch(
             group,
             hidden=data.shape[1],
             num_topk=topk_idx.shape[1],
-            use_fp8=scales is not None,
+            use_fp8=scales is not None or config.fp8_dispatch,
             num_tokens=max_tokens,
             configured_capacity=config.num_max_tokens_per_rank,
             deterministic=config.deterministic,
@@ -481,7 +498,7 @@ def _with_peer_failures(error: Exception, group: dist.ProcessGroup) -> Exception
 #: The arguments of dispatch() that a DispatchConfig replaces, in the order dispatch() packs them, and their defaults
 #: (read from its signature, so that they cannot drift from it).
 _ARGUMENT_NAMES = ("backend", "layout", "expert_alignment", "zero_padding", "num_max_tokens_per_rank", "num_sms",
-                   "host_sync", "deterministic")
+                   "host_sync", "deterministic", "fp8_dispatch")
 _CONFIG_ARGUMENT_DEFAULTS = tuple(inspect.signature(dispatch).parameters[name].default for name in _ARGUMENT_NAMES)
 #: Configurations resolved for dispatch() calls without ``config=``, per argument tuple, under the settings object
 #: they were resolved with (configure() replaces that object, which empties the cache).

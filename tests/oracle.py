@@ -126,3 +126,14 @@ def dense_step(problem: MoEProblem) -> DenseResult:
     y = dense_moe(x, problem.topk_idx, weights, experts)
     (y * problem.grad_out).sum().backward()
     return DenseResult(y.detach(), x.grad, weights.grad, experts.grad)
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What FP8 dispatch hands the experts for BF16 rows ``x``, block by block: e4m3 with scale amax / 448 per 128
+    values (amax floored at 1e-4), multiplied back, rounded to ``x``'s dtype."""
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[1], 128):
+        block = x[:, start:start + 128].float()
+        scale = block.abs().max(dim=1, keepdim=True).values.clamp(min=1e-4) / 448.0
+        out[:, start:start + 128] = ((block / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    return out
