@@ -11,7 +11,11 @@ logs loss and tokens/s; the end says whether the two loss trajectories match.
   single rank, EP=1), BF16, hidden 256, the ElasticBuffer backend when DeepEP v2 is usable, else the reference
   backend over NCCL (``--backend`` overrides).
 
-Usage: ``python -m megatron_deepepv2.demo [--steps 20] [--nproc N] [--layout expand|compact] [--backend ...]``.
+``--fp8-dispatch`` trains the deepepv2 layer twice instead, with BF16 and with FP8 dispatch (both in BF16; hidden 128
+on CPU), and reports the largest loss gap and the quantisation error of the rows the experts receive.
+
+Usage: ``python -m megatron_deepepv2.demo [--steps 20] [--nproc N] [--layout expand|compact] [--backend ...]
+[--fp8-dispatch]``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class DemoConfig:
     lr: float = 3e-3
     tolerance: float = 1e-4
     backend: str = "reference"
+    fp8_dispatch: bool = False
 
 
 class TinyMoEModel(torch.nn.Module):
@@ -71,22 +76,31 @@ def _batch(step: int, rank: int, config: DemoConfig, device: torch.device) -> tu
     return tokens.to(device), targets.to(device)
 
 
-def _train(dispatcher: str, rank: int, config: DemoConfig, device: torch.device, on_gpu: bool) -> list[float]:
+def _train(dispatcher: str, rank: int, config: DemoConfig, device: torch.device, on_gpu: bool,
+           fp8_dispatch: bool = False) -> list[float]:
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer  # noqa: PLC0415
 
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    shape = TinyMoEConfig(hidden=256 if on_gpu else 64, ffn=256 if on_gpu else 64,
-                          num_experts=config.num_experts, topk=config.topk, params_dtype=dtype)
+    bf16 = on_gpu or config.fp8_dispatch  # FP8 dispatch quantises BF16 rows
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    hidden = 256 if on_gpu else 128 if config.fp8_dispatch else 64  # FP8 scales blocks of 128 values
+    shape = TinyMoEConfig(hidden=hidden, ffn=hidden, num_experts=config.num_experts, topk=config.topk,
+                          params_dtype=dtype)
     torch.manual_seed(0)
-    model = TinyMoEModel(build_moe_layer(shape, dispatcher, seed=0), config.vocab, shape.hidden, dtype).to(device)
+    with dv2.settings_override(fp8_dispatch=fp8_dispatch):  # resolved when the layer is built
+        moe_layer = build_moe_layer(shape, dispatcher, seed=0)
+    model = TinyMoEModel(moe_layer, config.vocab, shape.hidden, dtype).to(device)
     # Replicated weights start equal on every rank; expert weights (allreduce=False) are each rank's own.
     for param in model.parameters():
         if getattr(param, "allreduce", True):
             dist.broadcast(param.data, src=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     losses = []
+    label = f"{dispatcher}{' fp8' if fp8_dispatch else ''}"
     for step in range(config.steps):
         tokens, targets = _batch(step, rank, config, device)
+        if fp8_dispatch and step in (0, config.steps - 1) and rank == 0:
+            _log_quantisation_error(model.embed(tokens).detach(), step)
         start = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(tokens), targets)
         optimizer.zero_grad(set_to_none=True)
@@ -104,9 +118,19 @@ def _train(dispatcher: str, rank: int, config: DemoConfig, device: torch.device,
         losses.append(global_loss)
         if rank == 0:
             tokens_per_s = config.tokens_per_rank * dist.get_world_size() / elapsed
-            logger.info("[%-8s] step %3d/%d  loss %.5f  %9.0f tokens/s", dispatcher, step + 1, config.steps,
+            logger.info("[%s] step %3d/%d  loss %.5f  %9.0f tokens/s", label, step + 1, config.steps,
                         global_loss, tokens_per_s)
     return losses
+
+
+def _log_quantisation_error(rows: torch.Tensor, step: int) -> None:
+    """Logs how far the rows the experts receive under FP8 dispatch are from the BF16 ones (the MoE layer's input)."""
+    from megatron_deepepv2 import fp8  # noqa: PLC0415
+
+    delivered = fp8.dequantize_e4m3_1x128(*fp8.quantize_e4m3_1x128(rows.contiguous()), dtype=rows.dtype).float()
+    error = (delivered - rows.float()).abs().amax(dim=1) / rows.float().abs().amax(dim=1).clamp(min=1e-30)
+    logger.info("FP8 dispatch, step %d: received rows' error relative to each row's largest value: max %.2e, "
+                "mean %.2e", step + 1, float(error.max()), float(error.mean()))
 
 
 def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) -> None:
@@ -129,19 +153,24 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
 
     dv2.install()
     dv2.configure(layout=config.layout, backend=config.backend)
+    # The baseline and the run compared with it: alltoall vs deepepv2, or deepepv2 BF16 vs FP8 dispatch.
+    baseline_run, candidate_run = ((("deepepv2", False), ("deepepv2", True)) if config.fp8_dispatch else
+                                   (("alltoall", False), ("deepepv2", False)))
+    names = [f"{name}{' (FP8 dispatch)' if fp8_dispatch else ''}" for name, fp8_dispatch in (baseline_run,
+                                                                                           candidate_run)]
     try:
         if rank == 0:
-            logger.info("Training with Megatron's alltoall dispatcher (baseline) ...")
-        baseline = _train("alltoall", rank, config, device, on_gpu)
+            logger.info("Training with %s (baseline) ...", names[0])
+        baseline = _train(*baseline_run[:1], rank, config, device, on_gpu, fp8_dispatch=baseline_run[1])
         if rank == 0:
-            logger.info("Training with the flex dispatcher, backend deepepv2 (%s layout, %s backend) ...",
-                        config.layout, dv2.get_settings().backend)
-        candidate = _train("deepepv2", rank, config, device, on_gpu)
+            logger.info("Training with %s (flex dispatcher, %s layout, %s backend) ...", names[1], config.layout,
+                        dv2.get_settings().backend)
+        candidate = _train(*candidate_run[:1], rank, config, device, on_gpu, fp8_dispatch=candidate_run[1])
         worst = max(abs(a - b) for a, b in zip(baseline, candidate))
         if rank == 0:
             verdict = "MATCH" if worst <= config.tolerance else "MISMATCH"
-            logger.info("loss %.5f -> %.5f (alltoall) vs %.5f -> %.5f (deepepv2); largest difference %.2e: %s "
-                        "(tolerance %.0e)", baseline[0], baseline[-1], candidate[0], candidate[-1], worst, verdict,
+            logger.info("loss %.5f -> %.5f (%s) vs %.5f -> %.5f (%s); largest difference %.2e: %s (tolerance %.0e)",
+                        baseline[0], baseline[-1], names[0], candidate[0], candidate[-1], names[1], worst, verdict,
                         config.tolerance)
         if worst > config.tolerance:
             raise SystemExit(1)
@@ -160,17 +189,19 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=["auto", "deepep", "reference"], default="auto",
                         help="deepepv2 backend (auto: DeepEP on GPUs when usable, else reference)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU processes even when GPUs are present")
+    parser.add_argument("--fp8-dispatch", action="store_true",
+                        help="compare deepepv2 with BF16 and with FP8 dispatch (instead of alltoall and deepepv2)")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     nproc = args.nproc if args.nproc is not None else min(2, gpus) if gpus else DemoConfig.nproc
-    config = DemoConfig(steps=args.steps, nproc=nproc, layout=args.layout)
+    config = DemoConfig(steps=args.steps, nproc=nproc, layout=args.layout, fp8_dispatch=args.fp8_dispatch)
 
     from megatron_deepepv2.backends import resolve_backend  # noqa: PLC0415
 
     on_gpu = 0 < config.nproc <= gpus
     config.backend = resolve_backend(args.backend if on_gpu else "reference").name
-    if on_gpu:
-        config.tolerance = 5e-2  # BF16 activations; dispatch orders differ between the two paths
+    if on_gpu or config.fp8_dispatch:
+        config.tolerance = 5e-2  # BF16 activations (dispatch orders differ between the two paths), or FP8 rows
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not on_gpu:
         # The CPU ranks must not see a GPU (fewer GPUs than processes, or --cpu): Megatron would place parameters
