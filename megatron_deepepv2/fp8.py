@@ -73,7 +73,7 @@ def dequantize_e4m3_1x128(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torc
 
     Args:
         x_fp8: ``[N, H]`` float8_e4m3fn rows.
-        scales: ``[N, H / 128]`` fp32 scales.
+        scales: ``[N, H / 128]`` fp32 scales (non-finite ones, of rows nobody wrote, count as zero).
         dtype: Output dtype.
         num_valid_rows: Without host sync, the rows holding data (on the device): rows past it were never
             written, so they come back as zeros whatever their bytes (garbage scales could make them NaN).
@@ -81,6 +81,9 @@ def dequantize_e4m3_1x128(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torc
     Returns:
         ``[N, H]`` rows of ``dtype``.
     """
+    # Padding rows arrive as zeros, but their scales may never have been written: a non-finite one would turn the
+    # zeros into NaNs, which reach the expert weight gradients (padding rows get zero gradients, and 0 * NaN = NaN).
+    scales = torch.nan_to_num(scales, nan=0.0, posinf=0.0, neginf=0.0)
     rows = x_fp8.float().view(x_fp8.shape[0], -1, BLOCK) * scales.unsqueeze(-1)
     if num_valid_rows is not None:
         valid = torch.arange(rows.shape[0], device=rows.device) < num_valid_rows

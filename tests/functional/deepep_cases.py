@@ -155,14 +155,14 @@ def _ops_inputs():
     return x, idx, w, grad
 
 
-def _ops_run(backend: str, layout: str, inputs=None, host_sync: bool = True, **flags):
+def _ops_run(backend: str, layout: str, inputs=None, host_sync: bool = True, fp8_dispatch: bool = False, **flags):
     """Dispatch -> scale by weights -> combine, forward and backward; no host sync of its own."""
     x, idx, w, grad = inputs if inputs is not None else _ops_inputs()
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
     out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1,
                        zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024,
-                       host_sync=host_sync, **flags)
+                       host_sync=host_sync, fp8_dispatch=fp8_dispatch, **flags)
     if layout == "expand":
         y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
     else:
@@ -629,6 +629,24 @@ def synchronous_calls_allocate_on_the_current_stream() -> None:
     assert all(stream == current for stream in streams.values()), (current, streams)
     exact("output", combined.detach(), baseline[0])
     exact("grad_x", xg.grad, baseline[1])
+    dv2.destroy_buffers()
+
+
+@case
+def fp8_dispatch_matches_reference() -> None:
+    """FP8 dispatch (BF16 in, e4m3 + 1x128 scales on the wire, BF16 rows out, BF16 gradients) over ElasticBuffer
+    equals the reference backend's: the same quantiser and an exchange that is bitwise equal for FP8 pairs, so output,
+    input and weight gradients are bitwise equal, both layouts, with and without host sync; and they differ from the
+    BF16 dispatch (the quantisation happened)."""
+    inputs = _ops_inputs()
+    for layout in ("compact", "expand"):
+        bf16 = _ops_run("deepep", layout, inputs)
+        for host_sync in (True, False):
+            want = _ops_run("reference", layout, inputs, host_sync=host_sync, fp8_dispatch=True)
+            got = _ops_run("deepep", layout, inputs, host_sync=host_sync, fp8_dispatch=True)
+            for name, a, b in zip(("output", "grad_x", "grad_probs"), got, want):
+                exact(f"fp8 {layout} host_sync={host_sync} {name}", a, b)
+            assert not torch.equal(got[0], bf16[0]), f"fp8 {layout}: the output equals the BF16 dispatch's"
     dv2.destroy_buffers()
 
 

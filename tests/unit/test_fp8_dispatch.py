@@ -30,6 +30,10 @@ def test_quantiser_matches_the_block_by_block_oracle() -> None:
     assert torch.equal(back, fp8_round_trip(x)) and not back[3].any()
     error = (back.float() - x.float()).abs() / x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
     assert float(error.max()) <= 2.0 ** -4  # e4m3: 3 mantissa bits, values scaled to the block's amax
+    # A padding row (zero values) whose scale was never written comes back zero, not NaN.
+    padding = fp8.dequantize_e4m3_1x128(torch.zeros(2, 256, dtype=torch.float8_e4m3fn),
+                                        torch.tensor([[float("nan"), float("inf")], [1.0, -float("inf")]]))
+    assert torch.equal(padding, torch.zeros(2, 256, dtype=torch.bfloat16))
     # Rows past the valid extent come back zero, whatever their bytes.
     scales[-2:] = float("nan")
     tail = fp8.dequantize_e4m3_1x128(x_fp8, scales, num_valid_rows=torch.tensor(31))
