@@ -1,0 +1,28 @@
+"""``tools/bench_fp8.py`` as a smoke run on the CPU: every row measured, the byte counts right, the outputs written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_fp8_smoke_run(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_fp8.py"), "--cpu", "--models", "qwen3-30b-a3b",
+                           "mixtral-8x7b", "--tokens", "16", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_fp8.json").read_text())["rows"]
+    assert [(r["model"], r["tokens"]) for r in rows] == [("qwen3-30b-a3b", 16), ("mixtral-8x7b", 16)]
+    for row in rows:
+        assert row["bf16_bytes"] == 16 * row["hidden"] * 2
+        assert row["fp8_bytes"] == 16 * row["hidden"] + 16 * (row["hidden"] // 128) * 4  # values + fp32 scales
+        assert row["quantize_us"] > 0 and row["dequantize_us"] > 0 and row["dispatch_combine_us"] > 0
+        assert row["overhead"] == (row["quantize_us"] + row["dequantize_us"]) / row["dispatch_combine_us"]
+    assert "BF16 dispatch + combine" in done.stderr
+    assert (tmp_path / "bench_fp8.png").exists() == (importlib.util.find_spec("matplotlib") is not None)

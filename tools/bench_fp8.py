@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""What FP8 dispatch costs and saves, on popular models' MoE shapes (one process; one GPU, EP=1).
+
+Per model shape and token count it measures, on the same BF16 hidden states:
+
+* ``quantize_us`` / ``dequantize_us``: :func:`megatron_deepepv2.fp8.quantize_e4m3_1x128` on the sending side and
+  :func:`~megatron_deepepv2.fp8.dequantize_e4m3_1x128` on the receiving side (median, CUDA events on a GPU);
+* ``dispatch_combine_us``: a BF16 forward dispatch + combine through :func:`megatron_deepepv2.dispatch` /
+  :func:`~megatron_deepepv2.combine` (expand layout, host sync) on a 1-rank group -- DeepEP's ElasticBuffer on a GPU
+  with DeepEP, else the reference backend -- and ``overhead``, the quantise + dequantise time over it;
+* ``bf16_bytes`` / ``fp8_bytes``: the bytes of the rows each dispatch sends (values, plus the fp32 scales for FP8).
+
+Prints progress and writes ``bench_fp8.json`` and, where matplotlib is, ``bench_fp8.png`` to ``--out``::
+
+    EP_DISABLE_GIN=1 python tools/bench_fp8.py --out bench_out        # one GPU
+    python tools/bench_fp8.py --cpu --models qwen3-30b-a3b --tokens 16 --iters 2 --out bench_out   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.compare_dispatchers import MODELS, time_call  # noqa: E402
+
+logger = logging.getLogger("bench_fp8")
+
+
+def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) -> dict:
+    """One row: quantise, dequantise and BF16 dispatch + combine times, and the bytes of both dispatches."""
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+    from megatron_deepepv2 import fp8  # noqa: PLC0415
+
+    model = MODELS[model_name]
+    device = "cuda" if cuda else "cpu"
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, model.hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+    idx = torch.rand(tokens, model.experts, generator=gen).argsort(dim=1)[:, :model.topk].to(device)
+    weights = torch.rand(tokens, model.topk, generator=gen).to(device)
+    pair = fp8.quantize_e4m3_1x128(x)
+
+    def dispatch_and_combine() -> torch.Tensor:
+        out = dv2.dispatch(x, idx, weights, model.experts, layout="expand", expert_alignment=16, zero_padding=True,
+                           num_max_tokens_per_rank=max(args.tokens))
+        return dv2.combine(out.recv_x, out.handle)
+
+    row = {"model": model_name, "hidden": model.hidden, "tokens": tokens,
+           "quantize_us": time_call(lambda: fp8.quantize_e4m3_1x128(x), args.iters, args.warmup, cuda),
+           "dequantize_us": time_call(lambda: fp8.dequantize_e4m3_1x128(*pair), args.iters, args.warmup, cuda),
+           "dispatch_combine_us": time_call(dispatch_and_combine, args.iters, args.warmup, cuda),
+           "bf16_bytes": x.numel() * x.element_size(),
+           "fp8_bytes": pair[0].numel() * pair[0].element_size() + pair[1].numel() * pair[1].element_size(),
+           "backend": dv2.get_settings().backend}
+    row["overhead"] = (row["quantize_us"] + row["dequantize_us"]) / row["dispatch_combine_us"]
+    logger.info("%-14s T%-6d quantise %7.1f us, dequantise %7.1f us, BF16 dispatch + combine %8.1f us: %.1f%%; "
+                "bytes %d -> %d (%.2fx)", model_name, tokens, row["quantize_us"], row["dequantize_us"],
+                row["dispatch_combine_us"], 100 * row["overhead"], row["bf16_bytes"], row["fp8_bytes"],
+                row["fp8_bytes"] / row["bf16_bytes"])
+    return row
+
+
+def plot(rows: list[dict], path: str, where: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    labels = [f"{r['model']}\nT{r['tokens']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    ax.bar(labels, [100 * r["overhead"] for r in rows], color="tab:purple")
+    ax.axhline(10, color="gray", linestyle="--", linewidth=1, label="10% target")
+    ax.set_ylabel("quantise + dequantise, % of BF16 dispatch + combine")
+    ax.set_title(f"FP8 dispatch overhead ({where})", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_outputs(rows: list[dict], out: str, meta: dict) -> None:
+    """Writes ``bench_fp8.json``, then ``bench_fp8.png`` where matplotlib is installed."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_fp8.json"), "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+    logger.info("wrote %s/bench_fp8.json", out)
+    try:
+        plot(rows, os.path.join(out, "bench_fp8.png"), meta.get("device", ""))
+    except ImportError as error:
+        logger.warning("no plot: %s. pip install 'megatron-deepepv2[bench]' (matplotlib) for it.", error)
+        return
+    logger.info("wrote %s/bench_fp8.png", out)
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=[m for m, s in MODELS.items() if s.hidden % 128 == 0],
+                        default=["deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--cpu", action="store_true", help="time on the CPU, reference backend (smoke run)")
+    parser.add_argument("--out", default="bench_out")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    cuda = not args.cpu and torch.cuda.is_available()
+    from megatron_deepepv2._dist import free_port  # noqa: PLC0415
+
+    if cuda:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+
+    if not cuda:
+        dv2.configure(backend="reference")
+    try:
+        rows = []
+        for model_name in args.models:
+            for tokens in args.tokens:
+                rows.append(measure(model_name, tokens, args, cuda))
+        write_outputs(rows, args.out, {"device": torch.cuda.get_device_name() if cuda else "cpu", "ep": 1})
+    finally:
+        dv2.destroy_buffers()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
