@@ -647,6 +647,29 @@ def fp8_dispatch_matches_reference() -> None:
             for name, a, b in zip(("output", "grad_x", "grad_probs"), got, want):
                 exact(f"fp8 {layout} host_sync={host_sync} {name}", a, b)
             assert not torch.equal(got[0], bf16[0]), f"fp8 {layout}: the output equals the BF16 dispatch's"
+    # Captured in a CUDA graph without host sync, the FP8 step replays equal to eager on new inputs.
+    x, idx, w, _ = inputs
+
+    def step(xin: torch.Tensor) -> torch.Tensor:
+        out = dv2.dispatch(xin, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep",
+                           num_max_tokens_per_rank=1024, host_sync=False, fp8_dispatch=True)
+        return dv2.combine(out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype), out.handle)
+
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step(static_x)
+    for scale in (1.0, 3.0):
+        static_x.copy_(x * scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        exact(f"fp8 graph replay x{scale}", static_y, step(x * scale))
+    del graph
     dv2.destroy_buffers()
 
 
