@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from megatron_deepepv2.backends.base import valid_rows_mask
+
 #: Values per scale.
 BLOCK = 128
 #: e4m3's largest finite value.
@@ -86,6 +88,5 @@ def dequantize_e4m3_1x128(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torc
     scales = torch.nan_to_num(scales, nan=0.0, posinf=0.0, neginf=0.0)
     rows = x_fp8.float().view(x_fp8.shape[0], -1, BLOCK) * scales.unsqueeze(-1)
     if num_valid_rows is not None:
-        valid = torch.arange(rows.shape[0], device=rows.device) < num_valid_rows
-        rows = torch.where(valid.view(-1, 1, 1), rows, 0.0)
+        rows = torch.where(valid_rows_mask(rows.shape[0], num_valid_rows).view(-1, 1, 1), rows, 0.0)
     return rows.view(x_fp8.shape).to(dtype)

@@ -27,6 +27,7 @@ from megatron_deepepv2.backends.base import (
     HiddenStates,
     uninitialized_memory_fill_off,
     align_up,
+    valid_rows_mask,
     worst_case_recv_rows,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
@@ -112,5 +113,6 @@ __all__ = [
     "resolve_backend",
     "uninitialized_memory_fill_off",
     "align_up",
+    "valid_rows_mask",
     "worst_case_recv_rows",
 ]

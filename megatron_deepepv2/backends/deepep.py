@@ -58,6 +58,7 @@ from megatron_deepepv2.backends.base import (
     HiddenStates,
     align_up,
     uninitialized_memory_fill_off,
+    valid_rows_mask,
 )
 
 logger = logging.getLogger(__name__)
@@ -382,7 +383,7 @@ class DeepEPBackend(DispatchBackend):
         reference = recv_idx if recv_idx is not None else recv_weights
         if reference is None:
             return recv_idx, recv_weights
-        used = torch.arange(reference.shape[0], device=reference.device) < num_valid_rows
+        used = valid_rows_mask(reference.shape[0], num_valid_rows)
         if recv_idx is not None:
             recv_idx = recv_idx.masked_fill_(~used.unsqueeze(1), -1)
         if recv_weights is not None:
@@ -419,8 +420,7 @@ class DeepEPBackend(DispatchBackend):
             # every row (a bias gradient, a norm) would read garbage. Zero them, in stream order after the copy.
             event.wait()
             event = CompletedEvent()
-            tail = torch.arange(recv_x.shape[0], device=recv_x.device) >= handle.num_valid_rows
-            recv_x.masked_fill_(tail.unsqueeze(1), 0)
+            recv_x.masked_fill_(~valid_rows_mask(recv_x.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
         return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, event)
 
     @uninitialized_memory_fill_off()

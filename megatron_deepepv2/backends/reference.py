@@ -49,6 +49,7 @@ from megatron_deepepv2.backends.base import (
     ExpertLayout,
     HiddenStates,
     align_up,
+    valid_rows_mask,
     worst_case_recv_rows,
 )
 
@@ -416,7 +417,7 @@ class ReferenceBackend(DispatchBackend):
         recv_global_idx, recv_src = rest[0], rest[1].squeeze(1)
         recv_weights = rest[2] if topk_weights is not None else None
         if not host_sync:  # unused rows arrive as zeros; expert id 0 there would read as a selection
-            used = torch.arange(recv_src.shape[0], device=device) < num_valid_rows
+            used = valid_rows_mask(recv_src.shape[0], num_valid_rows)
             recv_global_idx = torch.where(used.unsqueeze(1), recv_global_idx, -1)
             recv_src = torch.where(used, recv_src, -1)
 
