@@ -31,12 +31,11 @@ The semantics mirror ``deep_ep.ElasticBuffer`` (DeepEP 2.1.0):
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Optional, Protocol, TypeVar, Union
+from typing import Any, Callable, ClassVar, NamedTuple, Optional, Protocol, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -45,21 +44,36 @@ import torch.distributed as dist
 HiddenStates = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-@contextlib.contextmanager
-def uninitialized_memory_fill_off() -> Iterator[None]:
-    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for the block, then restores it.
+class uninitialized_memory_fill_off:  # noqa: N801 - used like a function: `with ...()` / `@...()`
+    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block or a call, then restores it.
 
     Under ``torch.use_deterministic_algorithms(True)`` (Megatron's ``--deterministic-mode``) the flag makes every
     ``torch.empty`` launch a fill kernel. DeepEP asserts at each dispatch/combine that the two are not both on
     (the fills may overlap its communication streams); results never read uninitialised rows, so turning the
     fill off around those calls keeps them reproducible.
+
+    As a decorator it costs one check per call when deterministic algorithms are off (the flag does nothing then),
+    which is the common case on the dispatch path.
     """
-    was_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+
+    __slots__ = ("_was_fill",)
+
+    def __enter__(self) -> None:
+        self._was_fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+
+    def __exit__(self, *exc_info: Any) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self._was_fill
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not torch.are_deterministic_algorithms_enabled():
+                return fn(*args, **kwargs)
+            with uninitialized_memory_fill_off():
+                return fn(*args, **kwargs)
+
+        return call
 
 
 class ExpertLayout(str, enum.Enum):
