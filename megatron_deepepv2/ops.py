@@ -11,6 +11,10 @@ Ordering rule (Megatron-LM#5153 review): every kernel that produces a communicat
 ``.contiguous()``, the fp32 cast of weights or gradients -- is enqueued *before* the event the
 communication stream waits on is captured. Otherwise the communication stream can read unwritten memory.
 
+FP8 dispatch (the configuration's ``fp8_dispatch``): the forward quantises ``x`` just before the backend's dispatch
+and dequantises the received rows just after (:mod:`megatron_deepepv2.fp8`), so the backward is the BF16 one -- a
+straight-through estimator for ``x``.
+
 In the compact layout, weights received for experts of other ranks (``recv_topk_idx == -1``) are returned
 as zero. Their gradient is therefore exactly zero, which is what combine-as-backward computes: it gathers
 each top-k slot's weight gradient from the rank that owns the slot's expert only.
