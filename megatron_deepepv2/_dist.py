@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import socket
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def spawn_on_free_port(worker: Callable, args: tuple, nprocs: int, attempts: int = 3) -> None:
+    """``torch.multiprocessing.spawn(worker, args=(nprocs, port, *args))`` on a free rendezvous port.
+
+    The port is free when chosen, but another process can take it before rank 0 binds it; a start that fails so
+    (EADDRINUSE) is retried on a new port, ``attempts`` times in all.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException, ProcessExitedException: A rank failed (for another reason,
+            or on the last attempt).
+    """
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    for attempt in range(attempts):
+        try:
+            mp.spawn(worker, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True)
+            return
+        except mp.ProcessRaisedException as error:
+            if "EADDRINUSE" not in str(error) or attempt == attempts - 1:
+                raise
 
 
 _group_sizes: dict[dist.ProcessGroup, int] = {}

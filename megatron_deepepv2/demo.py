@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_deepepv2._dist import free_port
+from megatron_deepepv2._dist import spawn_on_free_port
 
 logger = logging.getLogger("megatron_deepepv2.demo")
 
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         # on it, and the CPU shims step aside where CUDA is visible. Spawned ranks inherit this.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        mp.spawn(_worker, args=(config.nproc, free_port(), config, on_gpu), nprocs=config.nproc, join=True)
+        spawn_on_free_port(_worker, (config, on_gpu), config.nproc)
     except mp.ProcessExitedException as error:
         print(f"demo failed: {error}")
         return 1

@@ -360,12 +360,10 @@ def _cpu_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> N
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     if args.cpu:
-        import torch.multiprocessing as mp  # noqa: PLC0415
-
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU ranks (spawned, they inherit it) must not see a GPU
-        from megatron_deepepv2._dist import free_port  # noqa: PLC0415
+        from megatron_deepepv2._dist import spawn_on_free_port  # noqa: PLC0415
 
-        mp.spawn(_cpu_worker, args=(2, free_port(), args), nprocs=2, join=True)
+        spawn_on_free_port(_cpu_worker, (args,), 2)
         return 0
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)

@@ -1,0 +1,38 @@
+"""``spawn_on_free_port`` (the demo's and the comparison tool's launcher): a port taken between being chosen and
+being bound fails the start with EADDRINUSE, which is retried on a new port; other failures are raised."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_deepepv2 import _dist
+
+
+def _rendezvous(rank: int, world: int, port: int, fail: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.barrier()
+    dist.destroy_process_group()
+    if fail:
+        raise ValueError("a failure of the worker itself")
+
+
+def test_a_taken_port_is_retried_and_other_failures_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]  # the first port handed out is in use
+    chosen = []
+    original = _dist.free_port
+    monkeypatch.setattr(_dist, "free_port", lambda: chosen.append(ports.pop() if ports else original()) or chosen[-1])
+    try:
+        _dist.spawn_on_free_port(_rendezvous, (False,), 2)
+        assert len(chosen) == 2 and chosen[0] == taken.getsockname()[1]  # retried once, on another port
+        with pytest.raises(mp.ProcessRaisedException, match="a failure of the worker itself"):
+            _dist.spawn_on_free_port(_rendezvous, (True,), 2)
+        assert len(chosen) == 3  # not retried
+    finally:
+        taken.close()
