@@ -422,6 +422,19 @@ def shared_expert_overlap_matches_serial() -> None:
     dv2.configure(deterministic=False)
 
 
+def _capture(step: Callable[[torch.Tensor], torch.Tensor], static_x: torch.Tensor):
+    """``step`` warmed up on a side stream (as ``torch.cuda.graphs`` asks), then captured: ``(graph, static output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step(static_x)
+    return graph, static_y
+
+
 @case
 def ops_graph_replay_equals_eager() -> None:
     """No host sync: dispatch + combine captured in a CUDA graph replay bitwise equal to eager, for both stream
@@ -437,14 +450,7 @@ def ops_graph_replay_equals_eager() -> None:
                 return dv2.combine(y, out.handle, async_finish=async_finish, allocate_on_comm_stream=alloc)
 
             static_x = x.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step(static_x)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_y = step(static_x)
+            graph, static_y = _capture(step, static_x)
             diffs = []
             for scale in (1.0, 2.0, 2.0):
                 static_x.copy_(x * scale)
@@ -480,14 +486,7 @@ def host_sync_dispatch_in_graph_capture_raises() -> None:
         assert time.perf_counter() - start < 10, time.perf_counter() - start
         del graph
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        dv2.dispatch(x, idx, w, 32, host_sync=False, **kwargs)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        dv2.dispatch(x, idx, w, 32, host_sync=False, **kwargs)
+    graph, _ = _capture(lambda xin: dv2.dispatch(xin, idx, w, 32, host_sync=False, **kwargs).recv_x, x)
     graph.replay()
     torch.cuda.synchronize()
     del graph
@@ -656,14 +655,7 @@ def fp8_dispatch_matches_reference() -> None:
         return dv2.combine(out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype), out.handle)
 
     static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = step(static_x)
+    graph, static_y = _capture(step, static_x)
     for scale in (1.0, 3.0):
         static_x.copy_(x * scale)
         graph.replay()
