@@ -261,6 +261,14 @@ _ok_flags: dict[torch.device, torch.Tensor] = {}
 #: Per CUDA device: the flag of :func:`check_expert_ids_with_flag`, read on the host (and reset after a failure).
 _host_read_flags: dict[torch.device, torch.Tensor] = {}
 
+
+def _flag_on(flags: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The int32 flag of ``flags`` on ``device``, set to 1 when first made (no allocation after that)."""
+    flag = flags.get(device)
+    if flag is None:
+        flag = flags.setdefault(device, torch.ones(1, dtype=torch.int32, device=device))
+    return flag
+
 if triton is not None:
 
     @triton.jit
@@ -317,9 +325,7 @@ def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Opti
     """
     if topk_idx.shape[0] == 0:
         return None
-    flag = _host_read_flags.get(topk_idx.device)
-    if flag is None:
-        flag = _host_read_flags.setdefault(topk_idx.device, torch.ones(1, dtype=torch.int32, device=topk_idx.device))
+    flag = _flag_on(_host_read_flags, topk_idx.device)
     clear_flag_on_bad_ids(topk_idx.contiguous(), num_experts, flag)
     if flag.item():  # the one host read: 4 bytes, after the queued work (see above)
         return None
@@ -355,9 +361,7 @@ def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
                 announce_failure(group, error)
             raise
         return
-    ok = _ok_flags.get(topk_idx.device)
-    if ok is None:
-        ok = _ok_flags.setdefault(topk_idx.device, torch.ones(1, dtype=torch.int32, device=topk_idx.device))
+    ok = _flag_on(_ok_flags, topk_idx.device)
     clear_flag_on_bad_ids(topk_idx, num_experts, ok)
     torch._assert_async(ok, _BAD_IDS_MESSAGE)
 
