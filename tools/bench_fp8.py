@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
 """What FP8 dispatch costs and saves, on popular models' MoE shapes (one process; one GPU, EP=1).
 
-Per model shape and token count it measures, on the same BF16 hidden states:
+Per model shape, token count and layout (compact, expand with alignment 16) it measures, on the same BF16 hidden
+states (median, CUDA events on a GPU):
 
-* ``quantize_us`` / ``dequantize_us``: :func:`megatron_deepepv2.fp8.quantize_e4m3_1x128` on the sending side and
-  :func:`~megatron_deepepv2.fp8.dequantize_e4m3_1x128` on the receiving side (median, CUDA events on a GPU);
+* ``quantize_us``: :func:`megatron_deepepv2.fp8.quantize_e4m3_1x128` of the ``[T, H]`` rows on the sending side
+  (the fused kernel on a GPU), and ``quantize_torch_us``, the same bits in PyTorch ops;
+* ``dequantize_us``: :func:`~megatron_deepepv2.fp8.dequantize_e4m3_1x128` of the rows an FP8 dispatch of that
+  layout received (``recv_rows``: ``T`` in compact at EP=1, one row per (token, expert) plus padding in expand), and
+  ``dequantize_torch_us``;
 * ``dispatch_combine_us``: a BF16 forward dispatch + combine through :func:`megatron_deepepv2.dispatch` /
-  :func:`~megatron_deepepv2.combine` (expand layout, host sync) on a 1-rank group -- DeepEP's ElasticBuffer on a GPU
-  with DeepEP, else the reference backend -- and ``overhead``, the quantise + dequantise time over it;
-* ``bf16_bytes`` / ``fp8_bytes``: the bytes of the rows each dispatch sends (values, plus the fp32 scales for FP8).
+  :func:`~megatron_deepepv2.combine` (host sync) on a 1-rank group -- DeepEP's ElasticBuffer on a GPU with DeepEP,
+  else the reference backend -- and ``overhead``, the quantise + dequantise time over it;
+* ``bf16_bytes`` / ``fp8_bytes``: the bytes of the rows each dispatch sends (values, plus the fp32 scales for FP8);
+  ``quantize_GBs`` / ``dequantize_GBs``: the bytes each kernel reads and writes per second.
+
+At EP=1 a dispatch moves no bytes between GPUs: its time is its own HBM traffic and launch costs, which FP8 cannot
+shrink, so ``overhead`` here is an upper bound of what FP8 costs where the dispatch crosses NVLink.
 
 Prints progress and writes ``bench_fp8.json`` and, where matplotlib is, ``bench_fp8.png`` to ``--out``::
 
@@ -35,8 +43,12 @@ from tools.compare_dispatchers import MODELS, time_call  # noqa: E402
 logger = logging.getLogger("bench_fp8")
 
 
-def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) -> dict:
-    """One row: quantise, dequantise and BF16 dispatch + combine times, and the bytes of both dispatches."""
+LAYOUTS = {"compact": dict(layout="compact"),
+           "expand": dict(layout="expand", expert_alignment=16, zero_padding=True)}
+
+
+def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) -> list[dict]:
+    """One row per layout: quantise, dequantise and BF16 dispatch + combine times, and the bytes of both dispatches."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2 import fp8  # noqa: PLC0415
 
@@ -47,25 +59,40 @@ def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) 
     idx = torch.rand(tokens, model.experts, generator=gen).argsort(dim=1)[:, :model.topk].to(device)
     weights = torch.rand(tokens, model.topk, generator=gen).to(device)
     pair = fp8.quantize_e4m3_1x128(x)
+    capacity = max(args.tokens)
+    quantize_us = time_call(lambda: fp8.quantize_e4m3_1x128(x), args.iters, args.warmup, cuda)
+    quantize_torch_us = time_call(lambda: fp8.quantize_e4m3_1x128_torch(x), args.iters, args.warmup, cuda)
+    bf16_bytes = x.numel() * x.element_size()
+    fp8_bytes = pair[0].numel() * pair[0].element_size() + pair[1].numel() * pair[1].element_size()
+    rows = []
+    for layout, kwargs in LAYOUTS.items():
+        received = dv2.dispatch(pair, idx, weights, model.experts, num_max_tokens_per_rank=capacity, **kwargs).recv_x
 
-    def dispatch_and_combine() -> torch.Tensor:
-        out = dv2.dispatch(x, idx, weights, model.experts, layout="expand", expert_alignment=16, zero_padding=True,
-                           num_max_tokens_per_rank=max(args.tokens))
-        return dv2.combine(out.recv_x, out.handle)
+        def dispatch_and_combine() -> torch.Tensor:
+            out = dv2.dispatch(x, idx, weights, model.experts, num_max_tokens_per_rank=capacity, **kwargs)
+            return dv2.combine(out.recv_x, out.handle)
 
-    row = {"model": model_name, "hidden": model.hidden, "tokens": tokens,
-           "quantize_us": time_call(lambda: fp8.quantize_e4m3_1x128(x), args.iters, args.warmup, cuda),
-           "dequantize_us": time_call(lambda: fp8.dequantize_e4m3_1x128(*pair), args.iters, args.warmup, cuda),
-           "dispatch_combine_us": time_call(dispatch_and_combine, args.iters, args.warmup, cuda),
-           "bf16_bytes": x.numel() * x.element_size(),
-           "fp8_bytes": pair[0].numel() * pair[0].element_size() + pair[1].numel() * pair[1].element_size(),
-           "backend": dv2.get_settings().backend}
-    row["overhead"] = (row["quantize_us"] + row["dequantize_us"]) / row["dispatch_combine_us"]
-    logger.info("%-14s T%-6d quantise %7.1f us, dequantise %7.1f us, BF16 dispatch + combine %8.1f us: %.1f%%; "
-                "bytes %d -> %d (%.2fx)", model_name, tokens, row["quantize_us"], row["dequantize_us"],
-                row["dispatch_combine_us"], 100 * row["overhead"], row["bf16_bytes"], row["fp8_bytes"],
-                row["fp8_bytes"] / row["bf16_bytes"])
-    return row
+        recv_rows = received[0].shape[0]
+        row = {"model": model_name, "hidden": model.hidden, "tokens": tokens, "layout": layout,
+               "recv_rows": recv_rows, "quantize_us": quantize_us, "quantize_torch_us": quantize_torch_us,
+               "dequantize_us": time_call(lambda: fp8.dequantize_e4m3_1x128(*received), args.iters, args.warmup,
+                                          cuda),
+               "dequantize_torch_us": time_call(lambda: fp8.dequantize_e4m3_1x128_torch(*received), args.iters,
+                                                args.warmup, cuda),
+               "dispatch_combine_us": time_call(dispatch_and_combine, args.iters, args.warmup, cuda),
+               "bf16_bytes": bf16_bytes, "fp8_bytes": fp8_bytes, "backend": dv2.get_settings().backend}
+        row["overhead"] = (row["quantize_us"] + row["dequantize_us"]) / row["dispatch_combine_us"]
+        # Bytes moved through memory: BF16 in, FP8 + scales out (quantise); the reverse on the received rows.
+        row["quantize_GBs"] = (bf16_bytes + fp8_bytes) / row["quantize_us"] / 1e3
+        row["dequantize_GBs"] = recv_rows * (fp8_bytes + bf16_bytes) / tokens / row["dequantize_us"] / 1e3
+        logger.info("%-14s T%-6d %-7s quantise %7.1f us (PyTorch ops %7.1f), dequantise %6d rows %7.1f us (%7.1f), "
+                    "BF16 dispatch + combine %8.1f us: %.1f%%; bytes %d -> %d (%.2fx)", model_name, tokens, layout,
+                    row["quantize_us"], row["quantize_torch_us"], recv_rows, row["dequantize_us"],
+                    row["dequantize_torch_us"], row["dispatch_combine_us"], 100 * row["overhead"], bf16_bytes,
+                    fp8_bytes, fp8_bytes / bf16_bytes)
+        rows.append(row)
+    dv2.destroy_buffers()
+    return rows
 
 
 def plot(rows: list[dict], path: str, where: str) -> None:
@@ -74,7 +101,7 @@ def plot(rows: list[dict], path: str, where: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    labels = [f"{r['model']}\nT{r['tokens']}" for r in rows]
+    labels = [f"{r['model']}\nT{r['tokens']} {r['layout']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
     ax.bar(labels, [100 * r["overhead"] for r in rows], color="tab:purple")
     ax.axhline(10, color="gray", linestyle="--", linewidth=1, label="10% target")
@@ -132,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = []
         for model_name in args.models:
             for tokens in args.tokens:
-                rows.append(measure(model_name, tokens, args, cuda))
+                rows.extend(measure(model_name, tokens, args, cuda))
         write_outputs(rows, args.out, {"device": torch.cuda.get_device_name() if cuda else "cpu", "ep": 1})
     finally:
         dv2.destroy_buffers()

@@ -40,6 +40,39 @@ def test_quantiser_matches_the_block_by_block_oracle() -> None:
     assert torch.equal(tail[:31], back[:31]) and not tail[31:].any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8.TRITON_AVAILABLE,
+                    reason="the fused FP8 kernels run on CUDA with Triton; this machine has no CUDA GPU")
+@pytest.mark.parametrize("rows,hidden", [(0, 256), (1, 128), (33, 2048), (1000, 7168)])
+def test_fused_kernels_equal_the_pytorch_formulation_bitwise(rows: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=gen) * torch.logspace(-6, 4, max(rows, 1))[:rows].unsqueeze(1)
+    x = x.to(torch.bfloat16).cuda()
+    if rows > 3:
+        x[3] = 0  # all-zero row: the amax floor
+        x[2, :128] = 448.0  # a block whose amax is e4m3's largest value
+    x_fp8, scales = fp8.quantize_e4m3_1x128(x)
+    want_fp8, want_scales = fp8.quantize_e4m3_1x128_torch(x)
+    assert x_fp8.shape == want_fp8.shape and scales.shape == want_scales.shape
+    assert torch.equal(x_fp8.view(torch.uint8), want_fp8.view(torch.uint8)) and torch.equal(scales, want_scales)
+    back = fp8.dequantize_e4m3_1x128(x_fp8, scales)
+    assert torch.equal(back, fp8.dequantize_e4m3_1x128_torch(x_fp8, scales))
+    assert torch.equal(back.cpu(), fp8_round_trip(x.cpu()))  # the block-by-block oracle
+    if rows < 4:
+        return
+    # A received buffer: scales in a strided view, non-finite scales on padding rows, garbage past the valid rows.
+    wide = torch.full((rows, 2 * (hidden // 128)), float("nan"), device="cuda")
+    strided = wide[:, ::2]
+    strided.copy_(scales)
+    strided[1] = float("inf")
+    garbage = x_fp8.clone()
+    garbage[rows - 2:] = torch.randn(2, hidden, device="cuda").to(torch.float8_e4m3fn)
+    strided[rows - 2:] = float("nan")
+    valid = torch.tensor([rows - 2], device="cuda")
+    got = fp8.dequantize_e4m3_1x128(garbage, strided, num_valid_rows=valid)
+    assert torch.equal(got, fp8.dequantize_e4m3_1x128_torch(garbage, strided, num_valid_rows=valid))
+    assert not got[1].any() and not got[rows - 2:].any() and torch.equal(got[2:rows - 2], back[2:rows - 2])
+
+
 def _fp8_case(rank: int, world: int, layout: str, host_sync: bool) -> None:
     dv2.configure(validate=False, num_max_tokens_per_rank=8)
     problem = make_problem(5, TOKENS, HIDDEN, EXPERTS, TOPK, dtype=torch.float32)
