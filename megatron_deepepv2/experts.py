@@ -112,19 +112,52 @@ class _ZeroGradPastBlocks(torch.autograd.Function):
         return expert_kernels.zero_rows_from(grad.contiguous(), total), None
 
 
-class _SwigluProbs(torch.autograd.Function):
-    """``silu(gate) * up * probs`` over the rows of the expert blocks (fused Triton kernels)."""
+class _ActivationProbs(torch.autograd.Function):
+    """``activation(fc1_out) * probs`` over the rows of the expert blocks (fused Triton kernels)."""
 
     @staticmethod
-    def forward(ctx: Any, fc1_out: torch.Tensor, probs: torch.Tensor, total: torch.Tensor):  # type: ignore[override]
+    def forward(ctx: Any, fc1_out: torch.Tensor, probs: torch.Tensor, total: torch.Tensor,  # type: ignore[override]
+                activation: expert_kernels.FusedActivation):
         ctx.save_for_backward(fc1_out, probs, total)
-        return expert_kernels.swiglu_probs_forward(fc1_out, probs, total)
+        ctx.activation = activation
+        return expert_kernels.activation_probs_forward(fc1_out, probs, total, activation)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         fc1_out, probs, total = ctx.saved_tensors
-        grad_fc1, grad_probs = expert_kernels.swiglu_probs_backward(grad.contiguous(), fc1_out, probs, total)
-        return grad_fc1, grad_probs, None
+        grad_fc1, grad_probs = expert_kernels.activation_probs_backward(grad.contiguous(), fc1_out, probs, total,
+                                                                        ctx.activation)
+        return grad_fc1, grad_probs, None, None
+
+
+def fused_activation_of(config: Any) -> Optional[expert_kernels.FusedActivation]:
+    """The fused kernels' description of ``config``'s expert activation, or None when they do not compute it.
+
+    Covered: ``F.silu``, Megatron's ``quick_gelu`` and ``F.gelu``, gated or not; gated ones with Megatron's
+    ``activation_func_clamp_value`` and ``glu_linear_offset`` (SwiGLU, GPT-OSS's clamped quick-GeGLU).
+
+    Args:
+        config: Megatron ``TransformerConfig``.
+    """
+    kind = _activation_kind(config.activation_func)
+    if kind is None:
+        return None
+    gated = bool(config.gated_linear_unit)
+    clamp = getattr(config, "activation_func_clamp_value", None) if gated else None
+    return expert_kernels.FusedActivation(kind=kind, gated=gated, clamp=None if clamp is None else float(clamp),
+                                          linear_offset=float(getattr(config, "glu_linear_offset", 0.0)) if gated
+                                          else 0.0)
+
+
+def _activation_kind(func: Any) -> Optional[str]:
+    if func is F.silu:
+        return "silu"
+    if func is F.gelu:
+        return "gelu"
+    # Megatron defines quick_gelu in two modules (activations and the fused GeGLU), both x * sigmoid(1.702 x).
+    if getattr(func, "__name__", "") == "quick_gelu" and getattr(func, "__module__", "").startswith("megatron."):
+        return "quick_gelu"
+    return None
 
 def _stack_expert_weights(linears: list[torch.nn.Module]) -> torch.nn.Parameter:
     """One ``[E, out, in]`` parameter from the experts' ``[out, in]`` weights, with their Megatron attributes.
@@ -153,8 +186,9 @@ class SyncFreeSequentialMLP(SequentialMLP):
       ``SequentialMLP``'s keys (``local_experts.<i>.linear_fc1.weight``, ...), so checkpoints move freely
       between the two.
     * **Compute**: ``torch._grouped_mm`` per projection with the expert offsets computed on the device; the
-      SwiGLU activation times the router probabilities runs as one fused Triton kernel forward and one backward
-      (BF16/FP16 on CUDA; other activations and the CPU run the same maths in PyTorch ops).
+      activation times the router probabilities runs as one fused Triton kernel forward and one backward
+      (BF16/FP16 on CUDA, for SiLU, quick GELU and GELU, gated or not, with Megatron's clamp and linear offset:
+      :func:`fused_activation_of`; other activations and the CPU run the same maths in PyTorch ops).
     * **No host sync**: ``tokens_per_expert`` may be a device tensor; it is never read on the host. Rows past the
       last expert block (the worst-case tail of the no-host-sync dispatch) are neither read nor computed on:
       the GEMMs stop at the blocks, the fused kernels skip those rows, and only the zeroing of their outputs and
@@ -162,7 +196,7 @@ class SyncFreeSequentialMLP(SequentialMLP):
 
     Supported: expert tensor parallel size 1, linear layers without bias, no FP8/FP4, no delayed weight
     gradients, any activation ``MLP`` supports through ``config.activation_func`` / ``gated_linear_unit``.
-    Numerics equal ``SequentialMLP``'s up to rounding (grouped GEMMs; the fused SwiGLU computes in FP32).
+    Numerics equal ``SequentialMLP``'s up to rounding (grouped GEMMs; the fused activations compute in FP32).
 
     Args:
         num_local_experts: Experts on this rank.
@@ -195,13 +229,8 @@ class SyncFreeSequentialMLP(SequentialMLP):
             raise ValueError("SyncFreeSequentialMLP applies config.activation_func itself; unset --use-te-activation-func.")
         self.weight1 = _stack_expert_weights([expert.linear_fc1 for expert in self.local_experts])
         self.weight2 = _stack_expert_weights([expert.linear_fc2 for expert in self.local_experts])
-        # Resolved once: whether the activation is Megatron's plain SwiGLU (the fused kernels' case).
-        self._plain_swiglu = bool(
-            self.config.gated_linear_unit
-            and self.config.activation_func is F.silu
-            and getattr(self.config, "activation_func_clamp_value", None) is None
-            and not getattr(self.config, "glu_linear_offset", 0.0)
-        )
+        # Resolved once: the activation as the fused kernels compute it (None: PyTorch ops).
+        self._fused_activation = fused_activation_of(self.config)
         self._register_state_dict_hook(_expert_keys_in_state_dict)
         self._register_load_state_dict_pre_hook(_stacked_weights_from_expert_keys, with_module=True)
 
@@ -282,7 +311,7 @@ class SyncFreeSequentialMLP(SequentialMLP):
             has_tail = True
         total = offsets[-1:]
         fused = (
-            self._plain_swiglu
+            self._fused_activation is not None
             and hidden.is_cuda
             and expert_kernels.AVAILABLE
             and hidden.dtype in (torch.bfloat16, torch.float16)
@@ -296,7 +325,7 @@ class SyncFreeSequentialMLP(SequentialMLP):
             hidden = _ZeroGradPastBlocks.apply(hidden, total)
         # [E, out, in] weights; the transposed views are the column-major [E, in, out] operands.
         fc1_out = torch._grouped_mm(hidden, self.weight1.transpose(1, 2), offs=offsets)
-        intermediate = _SwigluProbs.apply(fc1_out, probs, total)
+        intermediate = _ActivationProbs.apply(fc1_out, probs, total, self._fused_activation)
         output = torch._grouped_mm(intermediate, self.weight2.transpose(1, 2), offs=offsets)
         return _ZeroRowsPastBlocks.apply(output, total) if has_tail else output
 

@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import quick_gelu
+
+from megatron_deepepv2.expert_kernels import FusedActivation
 from tests.distributed import run_distributed
 
 HIDDEN, FFN, EXPERTS = 64, 96, 4
@@ -40,6 +43,10 @@ def _build(kind: str, activation: str, dtype: torch.dtype, device: str, seed: in
         "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),
         "clamped_swiglu": dict(gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=0.5,
                                glu_linear_offset=1.0),
+        # GPT-OSS-style: quick GELU gated, clamped, with the linear offset.
+        "clamped_quick_geglu": dict(gated_linear_unit=True, activation_func=quick_gelu,
+                                    activation_func_clamp_value=2.0, glu_linear_offset=1.0),
+        "relu": dict(gated_linear_unit=False, activation_func=F.relu),  # not fused: PyTorch ops on CUDA too
     }[activation]
     # Weights large enough that the activation works in its non-linear range (Megatron's default std 0.02 keeps
     # FC1 outputs near 0, where a wrong SiLU derivative would hide inside the tolerance).
@@ -116,8 +123,11 @@ def _compare_case(rank: int, world: int, activation: str, dtype: torch.dtype, de
             assert torch.equal(tensor[rows:], torch.zeros_like(tensor[rows:])), f"{name} past the blocks is not zero"
 
 
+ACTIVATIONS = ["swiglu", "gelu", "clamped_swiglu", "clamped_quick_geglu", "relu"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("activation", ["swiglu", "gelu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_matches_sequential_mlp_with_host_counts(activation: str, device: str) -> None:
     _require(device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -125,11 +135,36 @@ def test_matches_sequential_mlp_with_host_counts(activation: str, device: str) -
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_worst_case_tail_is_neither_read_nor_left_nonzero(activation: str, device: str) -> None:
     _require(device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     run_distributed(_compare_case, 1, activation, dtype, device, False, TAIL, cuda=device == "cuda")
+
+
+FUSED = {
+    "swiglu": FusedActivation("silu", gated=True),
+    "gelu": FusedActivation("gelu", gated=False),
+    "clamped_swiglu": FusedActivation("silu", gated=True, clamp=0.5, linear_offset=1.0),
+    "clamped_quick_geglu": FusedActivation("quick_gelu", gated=True, clamp=2.0, linear_offset=1.0),
+    "relu": None,
+}
+
+
+def _fused_case(rank: int, world: int, activation: str) -> None:
+    assert _build("sync_free", activation, torch.float32, "cpu")._fused_activation == FUSED[activation]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_fused_kernels_cover_silu_quick_gelu_and_gelu_with_clamp_and_offset(activation: str) -> None:
+    run_distributed(_fused_case, 1, activation)
+
+
+def test_fused_activation_rejects_what_megatron_does_not_define() -> None:
+    with pytest.raises(ValueError, match="unknown fused activation"):
+        FusedActivation("relu", gated=False)
+    with pytest.raises(ValueError, match="gated activations only"):
+        FusedActivation("gelu", gated=False, clamp=1.0)
 
 
 def test_bfloat16_on_cpu_matches_sequential_mlp() -> None:
