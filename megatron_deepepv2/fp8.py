@@ -15,8 +15,8 @@ On CUDA each end is one fused Triton kernel (no host sync, no temporaries): the 
 and writes the e4m3 values and the scales; the dequantiser reads the pair once and writes the BF16 rows, zeroing
 rows past the valid count and treating non-finite scales as zero in the same pass. Both are bitwise equal to the
 PyTorch formulation they replace (:func:`quantize_e4m3_1x128_torch` / :func:`dequantize_e4m3_1x128_torch`, used on
-the CPU and as the tests' oracle): the divisions round to nearest like PyTorch's, and the e4m3 cast saturates and
-rounds to nearest even as PyTorch's does for values within e4m3's range (all are, by construction).
+the CPU and as the tests' oracle): both divide with IEEE rounding (scale = amax / 448, value / scale), and the e4m3
+cast rounds to nearest even as PyTorch's does for values within e4m3's range (all are, by construction).
 """
 
 from __future__ import annotations
@@ -172,8 +172,11 @@ def dequantize_e4m3_1x128(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torc
 
 def quantize_e4m3_1x128_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_e4m3_1x128` in PyTorch ops (any device; several kernels on CUDA)."""
-    blocks = x.float().view(x.shape[0], -1, BLOCK)
-    scales = blocks.abs().amax(dim=-1).clamp_(min=AMAX_FLOOR).div_(E4M3_MAX)
+    blocks = x.float().view(x.shape[0], x.shape[1] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1).clamp_(min=AMAX_FLOOR)
+    # A true division on every device: PyTorch's CUDA kernels divide by a Python scalar as a multiplication by its
+    # reciprocal, which rounds differently from the CPU (and from the fused kernel) in the last bit.
+    scales = amax / torch.full_like(amax, E4M3_MAX)
     x_fp8 = (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(x.shape)
     return x_fp8, scales
 
@@ -184,7 +187,7 @@ def dequantize_e4m3_1x128_torch(x_fp8: torch.Tensor, scales: torch.Tensor, dtype
     # Padding rows arrive as zeros, but their scales may never have been written: a non-finite one would turn the
     # zeros into NaNs, which reach the expert weight gradients (padding rows get zero gradients, and 0 * NaN = NaN).
     scales = torch.nan_to_num(scales, nan=0.0, posinf=0.0, neginf=0.0)
-    rows = x_fp8.float().view(x_fp8.shape[0], -1, BLOCK) * scales.unsqueeze(-1)
+    rows = x_fp8.float().view(x_fp8.shape[0], x_fp8.shape[1] // BLOCK, BLOCK) * scales.unsqueeze(-1)
     if num_valid_rows is not None:
         rows = torch.where(valid_rows_mask(rows.shape[0], num_valid_rows).view(-1, 1, 1), rows, 0.0)
     return rows.view(x_fp8.shape).to(dtype)

@@ -241,6 +241,7 @@ def bench_dispatcher_paths(cfg: HotPathConfig, args: argparse.Namespace) -> dict
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing import moe_model  # noqa: PLC0415
 
+    dv2.install()  # --moe-flex-dispatcher-backend deepepv2
     shape = moe_model.TinyMoEConfig(hidden=cfg.hidden, ffn=1024, num_experts=cfg.experts, topk=cfg.topk,
                           params_dtype=torch.bfloat16)
     x = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16).requires_grad_()

@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_deepepv2 import expert_kernels
 from megatron_deepepv2._dist import collective_device, runtime_nccl_version
 from megatron_deepepv2.deepep_lines import DEEPEP_2_1, DEEPEP_2_5, DeepEPLine, line_of_module, version_text
 from megatron_deepepv2.backends.base import (
@@ -417,10 +418,14 @@ class DeepEPBackend(DispatchBackend):
         event = self._event(event, async_finish)
         if not handle.host_sync:
             # Worst-case rows past the valid extent are left uninitialised by DeepEP; a consumer that reduces over
-            # every row (a bias gradient, a norm) would read garbage. Zero them, in stream order after the copy.
+            # every row (a bias gradient, a norm) would read garbage. Zero them, in stream order after the copy:
+            # one kernel that writes those rows only (a masked fill would read and write the whole buffer).
             event.wait()
             event = CompletedEvent()
-            recv_x.masked_fill_(~valid_rows_mask(recv_x.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
+            if expert_kernels.AVAILABLE and recv_x.is_cuda:
+                expert_kernels.zero_rows_from(recv_x, handle.num_valid_rows)
+            else:
+                recv_x.masked_fill_(~valid_rows_mask(recv_x.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
         return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, event)
 
     @uninitialized_memory_fill_off()
