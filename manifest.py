@@ -84,9 +84,18 @@ KERNELS: tuple[KernelEntry, ...] = (
         sources=("megatron_deepepv2/experts.py", "megatron_deepepv2/expert_kernels.py"),
         tests=_REPLAY_TESTS + ("tests/unit/test_experts.py",),
         kind="torch-op",
-        notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts and row-bounded Triton SwiGLU / "
-        "tail-zeroing kernels (no atomics; each row's probability gradient is summed by one program in a fixed "
-        "order); MoELayer replays (CPU) and CUDA-graph replay vs eager (GPU) bitwise.",
+        notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts and row-bounded Triton activation x "
+        "probs / tail-zeroing kernels (no atomics; each row's probability gradient is summed by one program in a "
+        "fixed order); MoELayer replays (CPU) and CUDA-graph replay vs eager (GPU) bitwise.",
+    ),
+    KernelEntry(
+        name="fp8_dispatch_quantiser",
+        sources=("megatron_deepepv2/fp8.py",),
+        tests=("tests/unit/test_fp8_dispatch.py", "tests/functional/deepep_cases.py"),
+        kind="compiled-kernel",
+        notes="e4m3 1x128 quantise / dequantise: elementwise Triton kernels, each block's amax reduced by one program "
+        "(no atomics), IEEE-rounded divisions; bitwise equal to the PyTorch formulation (GPU test) and the "
+        "block-by-block oracle, and the FP8 dispatch replays bitwise in a CUDA graph (GPU case).",
     ),
     KernelEntry(
         name="buffer_lifecycle_and_agreement",
