@@ -1,0 +1,189 @@
+"""The README runs: every code block in it is marked with how it is tested, and each runs here or on a GPU machine.
+
+A block is preceded by ``<!-- readme-test: KIND -->``:
+
+* ``pip``: each command runs as written plus ``--dry-run --no-deps --no-build-isolation`` (it must say what it would
+  install, without changing the environment the tests run in);
+* ``doctor``: each command runs as written and ends with the doctor's verdict (exit 0, or 1 for blocking problems);
+* ``python``: the block runs in a fresh interpreter;
+* ``make``: each ``make`` target runs as written, with the variables of the ``make test`` that runs this test
+  (``MAKEFLAGS``), and must end with a matching comparison;
+* ``ci``: each command is one ``.ci/run`` runs (CI itself runs it on a fresh clone);
+* ``gpu``: GPU machines only, with DeepEP: the installer with the DeepEP and NCCL trees in
+  ``MEGATRON_DEEPEPV2_README_TREES``, the launch from the Megatron-LM tree in ``MEGATRON_LM``; skipped with the reason
+  otherwise.
+
+Relative links of the README and of ``docs/`` must name files that exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+KINDS = ("pip", "doctor", "python", "make", "ci", "gpu")
+_BLOCK = re.compile(r"(?:<!-- readme-test: (?P<kind>[a-z]+) -->\n\s*)?```(?P<lang>[a-z]*)\n(?P<body>.*?)```", re.S)
+# The arguments of the README's launch when the GPU test runs it: a small GPT-MoE on mock data.
+GPU_GPT_MOE_ARGS = (
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --transformer-impl local --no-persist-layer-norm "
+    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion --no-bias-swiglu-fusion "
+    "--num-layers 2 --hidden-size 512 --ffn-hidden-size 1024 --num-attention-heads 8 --seq-length 256 "
+    "--max-position-embeddings 256 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512 "
+    "--micro-batch-size 2 --global-batch-size {batch} --expert-model-parallel-size {gpus} --train-iters 10 "
+    "--lr 3e-4 --bf16 --eval-iters 0 --eval-interval 1000"
+)
+
+
+class Block(NamedTuple):
+    kind: str | None
+    lang: str
+    body: str
+    line: int
+
+    @property
+    def commands(self) -> list[str]:
+        """Shell commands of the block: continuation lines joined, comments and blank lines dropped."""
+        text = self.body.replace("\\\n", " ")
+        return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def blocks(text: str) -> list[Block]:
+    return [Block(m["kind"], m["lang"], m["body"], text[:m.start()].count("\n") + 1) for m in _BLOCK.finditer(text)]
+
+
+def _of_kind(kind: str) -> list[Block]:
+    return [block for block in blocks(README.read_text()) if block.kind == kind]
+
+
+def _cpu_env() -> dict:
+    """The tests' Python first on PATH, no GPU visible."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _run(command: str, timeout: int, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env or _cpu_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_code_block_is_marked_and_there_is_one_of_each_cpu_kind() -> None:
+    found = blocks(README.read_text())
+    unmarked = [block.line for block in found if block.kind not in KINDS]
+    assert not unmarked, f"README code blocks at lines {unmarked} lack a <!-- readme-test: KIND --> marker ({KINDS})"
+    assert {block.kind for block in found} >= {"pip", "doctor", "python", "make", "ci"}
+
+
+def test_marker_parsing_finds_unmarked_blocks() -> None:
+    text = "<!-- readme-test: python -->\n```python\nx = 1\n```\n\n```bash\necho hi \\\n  there # no\n```\n"
+    first, second = blocks(text)
+    assert (first.kind, first.lang, first.body) == ("python", "python", "x = 1\n")
+    assert second.kind is None and second.line == 6 and second.commands == ["echo hi    there # no"]
+
+
+def test_pip_commands_would_install_this_package() -> None:
+    for block in _of_kind("pip"):
+        for command in block.commands:
+            done = _run(f"{command} --dry-run --no-deps --no-build-isolation", timeout=300)
+            assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
+            assert "Would install megatron-deepepv2" in done.stdout, done.stdout[-2000:]
+
+
+def test_doctor_commands_end_with_a_verdict() -> None:
+    for block in _of_kind("doctor"):
+        for command in block.commands:
+            done = _run(command, timeout=300)
+            assert done.returncode in (0, 1), f"{command} exited {done.returncode}: {done.stderr[-2000:]}"
+            verdict = done.stdout.strip().splitlines()[-1]
+            assert verdict == "No blocking problems." or re.fullmatch(r"\d+ blocking problem\(s\)\.", verdict), verdict
+
+
+def test_python_blocks_run() -> None:
+    for block in _of_kind("python"):
+        done = subprocess.run([sys.executable, "-c", block.body], cwd=ROOT, env=_cpu_env(), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, f"README line {block.line}: {done.stderr[-3000:]}"
+
+
+def _make_variable(name: str, default: str) -> str:
+    """A variable of the calling ``make`` (``MAKEFLAGS`` carries its command-line assignments), else ``default``."""
+    for word in shlex.split(os.environ.get("MAKEFLAGS", "").replace("\\ ", "\0")):
+        key, sep, value = word.partition("=")
+        if sep and key == name:
+            return value.replace("\0", " ")
+    return default
+
+
+def test_make_targets_run_as_written() -> None:
+    venv = Path(_make_variable("VENV", ".venv"))
+    if not (venv if venv.is_absolute() else ROOT / venv).joinpath(".installed").exists():
+        pytest.skip(f"make's environment {venv} is not installed here: run through `make test`, which creates it")
+    for block in _of_kind("make"):
+        for command in block.commands:
+            assert command.startswith("make "), command
+            done = _run(command, timeout=900, env={**os.environ})
+            assert done.returncode == 0, f"{command}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+            assert "MATCH" in done.stdout + done.stderr and "MISMATCH" not in done.stdout + done.stderr
+
+
+def test_ci_commands_are_what_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for block in _of_kind("ci"):
+        for command in block.commands:
+            assert command in (line.strip() for line in ci), f"{command!r} is not a command of .ci/run"
+
+
+def _deepep_usable() -> str | None:
+    """Why the GPU blocks cannot run here, or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "the README's GPU blocks run on a GPU machine; no CUDA GPU here"
+    from megatron_deepepv2.backends import DeepEPBackend
+
+    return DeepEPBackend.unavailable_reason()
+
+
+def test_gpu_blocks_run_on_a_gpu_machine() -> None:
+    reason = _deepep_usable()
+    if reason:
+        pytest.skip(reason)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    trees, megatron_lm = os.environ.get("MEGATRON_DEEPEPV2_README_TREES"), os.environ.get("MEGATRON_LM")
+    ran = 0
+    for block in _of_kind("gpu"):
+        for command in block.commands:
+            env = {**os.environ, "NUM_GPUS": str(gpus), "EP_DISABLE_GIN": os.environ.get("EP_DISABLE_GIN", "1"),
+                   "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=gpus, batch=2 * gpus)}
+            if "install_deepep" in command and trees:
+                done = _run(command, timeout=1200, env=env, cwd=Path(trees))
+            elif "pretrain_gpt.py" in command and megatron_lm:
+                env["PYTHONPATH"] = f"{megatron_lm}{os.pathsep}{env.get('PYTHONPATH', '')}"
+                done = _run(command, timeout=1200, env=env, cwd=Path(megatron_lm))
+            else:
+                continue
+            assert done.returncode == 0, f"{command}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+            ran += 1
+    if not ran:
+        pytest.skip("set MEGATRON_DEEPEPV2_README_TREES (a folder with DeepEP/ and nccl/) and MEGATRON_LM (a Megatron-LM "
+                    "checkout) to run the README's GPU blocks")
+
+
+_LINK = re.compile(r"\]\((?!https?://|#)(?P<target>[^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))])
+def test_relative_links_name_files_that_exist(page: str) -> None:
+    path = ROOT / page if page == "README.md" else ROOT / "docs" / page
+    missing = [m["target"] for m in _LINK.finditer(path.read_text()) if not (path.parent / m["target"]).exists()]
+    assert not missing, f"{page} links to missing files: {missing}"
