@@ -22,8 +22,9 @@ rounds that interleave the variants. The targets are ratios: ``ops_manager / raw
 <= 1.35, ``ops_no_host_sync / ops_manager`` <= 1.05, ``graph_replay / kernel_time`` <= 1.1. The first
 configuration also gets a profile of each variant (kernels per step, host microseconds to enqueue one step) and,
 with megatron-core, Megatron's dispatcher path (router -> dispatch stages -> identity experts -> combine stages,
-forward + backward) for alltoall and deepepv2. Prints progress and writes ``bench_hot_path.json`` and
-``bench_hot_path.png`` to ``--out``::
+forward + backward) for alltoall and deepepv2. ``--isolate`` first times the host cost of single DeepEP calls made
+raw, through the package's adapter, and from inside an autograd backward (as the ops' backwards make them). Prints
+progress and writes ``bench_hot_path.json`` and ``bench_hot_path.png`` to ``--out``::
 
     EP_DISABLE_GIN=1 python tools/bench_hot_path.py --out bench_out [--quick]
 """
@@ -236,6 +237,86 @@ def bench_layout(cfg: HotPathConfig, layout: str, args: argparse.Namespace, with
     return row
 
 
+def host_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """Host microseconds per call to enqueue ``calls`` back-to-back calls (timed before the final synchronisation)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward calls a function: a call made from the autograd engine, as the ops' backwards are."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, fn: Callable[[], object]) -> torch.Tensor:  # type: ignore[override]
+        ctx.fn = fn
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.fn()
+        return grad, None
+
+
+def isolate_calls(cfg: HotPathConfig, layout: str, args: argparse.Namespace) -> dict[str, float]:
+    """Host microseconds per single DeepEP call: made raw, through the package's adapter, and from inside an autograd
+    backward, each against the same call's other forms (where the ops' host time over the raw calls comes from)."""
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+
+    steps = Steps(cfg, layout, args)
+    raw, expand, kwargs = steps.raw, steps.expand, steps.raw_kwargs
+    ours = dv2.dispatch(steps.x, steps.idx, steps.w, cfg.experts, config=steps.manager)
+    backend, handle = ours.handle.backend, ours.handle.native
+    leaf = torch.zeros(1, device="cuda", requires_grad=True)
+
+    def raw_dispatch_host_sync():
+        return raw.dispatch(steps.x, topk_idx=steps.idx, topk_weights=steps.w, num_experts=cfg.experts,
+                            num_max_tokens_per_rank=cfg.tokens, expert_alignment=steps.manager.expert_alignment,
+                            num_sms=steps.num_sms, do_expand=expand, do_zero_padding=expand, do_cpu_sync=True, **kwargs)
+
+    def raw_cached_dispatch():
+        return raw.dispatch(steps.grad_out, handle=handle, num_sms=handle.num_sms, do_expand=expand,
+                            do_zero_padding=expand, **kwargs)
+
+    def raw_combine():
+        return raw.combine(ours.recv_x, handle, num_sms=handle.num_sms)
+
+    def in_backward(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(_RunInBackward.apply(leaf, fn), leaf, torch.ones_like(leaf))
+
+    variants = {
+        "raw_dispatch_host_sync": raw_dispatch_host_sync,
+        "adapter_dispatch_host_sync": lambda: backend.dispatch(
+            steps.x, steps.idx, steps.w, num_experts=cfg.experts, layout=steps.manager.layout,
+            expert_alignment=steps.manager.expert_alignment, zero_padding=steps.manager.zero_padding),
+        "ops_dispatch_host_sync": lambda: dv2.dispatch(steps.x, steps.idx, steps.w, cfg.experts, config=steps.manager),
+        "raw_cached_dispatch": raw_cached_dispatch,
+        "adapter_cached_dispatch": lambda: backend.cached_dispatch(steps.grad_out, ours.handle),
+        "raw_combine": raw_combine,
+        "adapter_combine": lambda: backend.combine(ours.recv_x, ours.handle),
+        "backward_nothing": in_backward(lambda: None),
+        "backward_raw_cached_dispatch": in_backward(raw_cached_dispatch),
+        "backward_raw_combine": in_backward(raw_combine),
+    }
+    for fn in variants.values():
+        for _ in range(args.warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            samples[name].append(host_us(fn))
+    times = {name: statistics.median(values) for name, values in samples.items()}
+    for name, value in times.items():
+        logger.info("   %-32s %8.1f us host per call", name, value)
+    del steps, ours, variants
+    dv2.destroy_buffers()
+    return times
+
+
 def bench_dispatcher_paths(cfg: HotPathConfig, args: argparse.Namespace) -> dict[str, float]:
     """Megatron's dispatcher path (identity experts), forward + backward, for alltoall and deepepv2, wall clock."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
@@ -307,6 +388,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--skip-megatron", action="store_true", help="no dispatcher-path rows")
     parser.add_argument("--quick", action="store_true", help="first configuration only, fewer rounds")
+    parser.add_argument("--isolate", action="store_true",  # the first layout of --layouts
+                        help="first, the host time of single DeepEP calls: raw, through the adapter, in a backward")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -323,6 +406,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ep": 1, "targets": TARGETS,
               "rows": [], "dispatcher_paths": None}
     try:
+        if args.isolate:
+            logger.info("== single calls, %s %s", configs[0].label, args.layouts[0])
+            result["isolated_calls_us"] = isolate_calls(configs[0], args.layouts[0], args)
+            write_outputs(result, args.out)
         for index, cfg in enumerate(configs):
             for layout in args.layouts:
                 logger.info("== %s %s", cfg.label, layout)
