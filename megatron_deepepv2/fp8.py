@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from megatron_deepepv2.backends.base import valid_rows_mask
+from megatron_deepepv2.backends.base import rows_past_valid
 from megatron_deepepv2.expert_kernels import AVAILABLE as TRITON_AVAILABLE
 from megatron_deepepv2.expert_kernels import tl, triton
 
@@ -189,5 +189,5 @@ def dequantize_e4m3_1x128_torch(x_fp8: torch.Tensor, scales: torch.Tensor, dtype
     scales = torch.nan_to_num(scales, nan=0.0, posinf=0.0, neginf=0.0)
     rows = x_fp8.float().view(x_fp8.shape[0], x_fp8.shape[1] // BLOCK, BLOCK) * scales.unsqueeze(-1)
     if num_valid_rows is not None:
-        rows = torch.where(valid_rows_mask(rows.shape[0], num_valid_rows).view(-1, 1, 1), rows, 0.0)
+        rows = rows.masked_fill(rows_past_valid(rows.shape[0], num_valid_rows).view(-1, 1, 1), 0.0)
     return rows.view(x_fp8.shape).to(dtype)

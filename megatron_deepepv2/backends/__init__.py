@@ -25,9 +25,9 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     ExpertLayout,
     HiddenStates,
-    uninitialized_memory_fill_off,
     align_up,
-    valid_rows_mask,
+    rows_past_valid,
+    uninitialized_memory_fill_off,
     worst_case_recv_rows,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
@@ -113,6 +113,6 @@ __all__ = [
     "resolve_backend",
     "uninitialized_memory_fill_off",
     "align_up",
-    "valid_rows_mask",
+    "rows_past_valid",
     "worst_case_recv_rows",
 ]

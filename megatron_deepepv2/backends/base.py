@@ -271,10 +271,11 @@ class CombineOutput(NamedTuple):
     event: CommEvent
 
 
-def valid_rows_mask(num_rows: int, num_valid_rows: torch.Tensor) -> torch.Tensor:
-    """``[num_rows]`` bool, True on the rows that hold data: the first ``num_valid_rows`` (a device count) of a
-    worst-case-sized output of a dispatch without host sync. On the count's device, without a host read."""
-    return torch.arange(num_rows, device=num_valid_rows.device) < num_valid_rows
+def rows_past_valid(num_rows: int, num_valid_rows: torch.Tensor) -> torch.Tensor:
+    """``[num_rows]`` bool, True on the rows that hold no data: those from ``num_valid_rows`` (a device count) on, in a
+    worst-case-sized output of a dispatch without host sync. On the count's device, without a host read; callers
+    ``masked_fill`` with it (the mask of the rows to clear, so that no negation kernel is needed)."""
+    return torch.arange(num_rows, device=num_valid_rows.device) >= num_valid_rows
 
 
 _Count = TypeVar("_Count", int, torch.Tensor)

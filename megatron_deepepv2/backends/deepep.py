@@ -58,8 +58,8 @@ from megatron_deepepv2.backends.base import (
     ExpertLayout,
     HiddenStates,
     align_up,
+    rows_past_valid,
     uninitialized_memory_fill_off,
-    valid_rows_mask,
 )
 
 logger = logging.getLogger(__name__)
@@ -384,12 +384,11 @@ class DeepEPBackend(DispatchBackend):
         reference = recv_idx if recv_idx is not None else recv_weights
         if reference is None:
             return recv_idx, recv_weights
-        used = valid_rows_mask(reference.shape[0], num_valid_rows)
+        unused = rows_past_valid(reference.shape[0], num_valid_rows)
         if recv_idx is not None:
-            recv_idx = recv_idx.masked_fill_(~used.unsqueeze(1), -1)
+            recv_idx = recv_idx.masked_fill_(unused.unsqueeze(1), -1)
         if recv_weights is not None:
-            mask = ~used if recv_weights.dim() == 1 else ~used.unsqueeze(1)
-            recv_weights = recv_weights.masked_fill_(mask, 0.0)
+            recv_weights = recv_weights.masked_fill_(unused if recv_weights.dim() == 1 else unused.unsqueeze(1), 0.0)
         return recv_idx, recv_weights
 
     @uninitialized_memory_fill_off()
@@ -425,7 +424,7 @@ class DeepEPBackend(DispatchBackend):
             if expert_kernels.AVAILABLE and recv_x.is_cuda:
                 expert_kernels.zero_rows_from(recv_x, handle.num_valid_rows)
             else:
-                recv_x.masked_fill_(~valid_rows_mask(recv_x.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
+                recv_x.masked_fill_(rows_past_valid(recv_x.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
         return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle, event)
 
     @uninitialized_memory_fill_off()

@@ -49,7 +49,7 @@ from megatron_deepepv2.backends.base import (
     ExpertLayout,
     HiddenStates,
     align_up,
-    valid_rows_mask,
+    rows_past_valid,
     worst_case_recv_rows,
 )
 
@@ -417,9 +417,9 @@ class ReferenceBackend(DispatchBackend):
         recv_global_idx, recv_src = rest[0], rest[1].squeeze(1)
         recv_weights = rest[2] if topk_weights is not None else None
         if not host_sync:  # unused rows arrive as zeros; expert id 0 there would read as a selection
-            used = valid_rows_mask(recv_src.shape[0], num_valid_rows)
-            recv_global_idx = torch.where(used.unsqueeze(1), recv_global_idx, -1)
-            recv_src = torch.where(used, recv_src, -1)
+            unused = rows_past_valid(recv_src.shape[0], num_valid_rows)
+            recv_global_idx = recv_global_idx.masked_fill(unused.unsqueeze(1), -1)
+            recv_src = recv_src.masked_fill(unused, -1)
 
         first_local = self.rank * num_local_experts
         is_local = (recv_global_idx >= first_local) & (recv_global_idx < first_local + num_local_experts)
