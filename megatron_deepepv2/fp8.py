@@ -71,12 +71,16 @@ _KERNEL_ROWS = 4
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def _row_tile(num_blocks, BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """This program's scale blocks of a row, which of them exist, and their columns (``[BLOCKS, BLOCK_SIZE]``)."""
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        return blocks, blocks < num_blocks, blocks[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+
+    @triton.jit
     def _quantize_kernel(x_ptr, q_ptr, scales_ptr, num_rows, num_blocks, x_row_stride, q_row_stride,
                          scales_row_stride, AMAX_MIN: tl.constexpr, FP8_MAX: tl.constexpr,
                          ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        block_ok = blocks < num_blocks
-        cols = blocks[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+        blocks, block_ok, cols = _row_tile(num_blocks, BLOCKS, BLOCK_SIZE)
         for r in tl.static_range(ROWS):
             row = tl.program_id(0).to(tl.int64) * ROWS + r
             mask = block_ok & (row < num_rows)
@@ -94,9 +98,7 @@ if TRITON_AVAILABLE:
         num_valid = num_rows
         if HAS_NUM_VALID:
             num_valid = tl.load(num_valid_ptr).to(tl.int64)
-        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        block_ok = blocks < num_blocks
-        cols = blocks[:, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, :]
+        blocks, block_ok, cols = _row_tile(num_blocks, BLOCKS, BLOCK_SIZE)
         for r in tl.static_range(ROWS):
             row = tl.program_id(0).to(tl.int64) * ROWS + r
             mask = block_ok & (row < num_rows)

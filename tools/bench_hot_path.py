@@ -148,15 +148,18 @@ def wall_us(fn: Callable[[], object], steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def interleaved(variants: dict[str, Callable[[], object]], args: argparse.Namespace) -> dict[str, float]:
-    """Median over rounds of each variant's wall time per step, the variants interleaved round by round."""
+def interleaved(variants: dict[str, Callable[[], object]], args: argparse.Namespace,
+                timer: Optional[Callable[[Callable[[], object]], float]] = None) -> dict[str, float]:
+    """Median over rounds of each variant's time (``timer``, default: wall time per step of ``--steps`` steps), the
+    variants interleaved round by round."""
+    timer = timer or (lambda fn: wall_us(fn, args.steps))
     for fn in variants.values():
         for _ in range(args.warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
-            samples[name].append(wall_us(fn, args.steps))
+            samples[name].append(timer(fn))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -302,14 +305,7 @@ def isolate_calls(cfg: HotPathConfig, layout: str, args: argparse.Namespace) -> 
         "backward_raw_cached_dispatch": in_backward(raw_cached_dispatch),
         "backward_raw_combine": in_backward(raw_combine),
     }
-    for fn in variants.values():
-        for _ in range(args.warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            samples[name].append(host_us(fn))
-    times = {name: statistics.median(values) for name, values in samples.items()}
+    times = interleaved(variants, args, timer=host_us)
     for name, value in times.items():
         logger.info("   %-32s %8.1f us host per call", name, value)
     del steps, ours, variants
