@@ -142,11 +142,11 @@ def fused_activation_of(config: Any) -> Optional[expert_kernels.FusedActivation]
     kind = _activation_kind(config.activation_func)
     if kind is None:
         return None
-    gated = bool(config.gated_linear_unit)
-    clamp = getattr(config, "activation_func_clamp_value", None) if gated else None
-    return expert_kernels.FusedActivation(kind=kind, gated=gated, clamp=None if clamp is None else float(clamp),
-                                          linear_offset=float(getattr(config, "glu_linear_offset", 0.0)) if gated
-                                          else 0.0)
+    if not config.gated_linear_unit:  # Megatron's MLP applies the clamp and the offset to gated units only
+        return expert_kernels.FusedActivation(kind=kind, gated=False)
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    return expert_kernels.FusedActivation(kind=kind, gated=True, clamp=None if clamp is None else float(clamp),
+                                          linear_offset=float(getattr(config, "glu_linear_offset", 0.0)))
 
 
 def _activation_kind(func: Any) -> Optional[str]:
@@ -158,6 +158,7 @@ def _activation_kind(func: Any) -> Optional[str]:
     if getattr(func, "__name__", "") == "quick_gelu" and getattr(func, "__module__", "").startswith("megatron."):
         return "quick_gelu"
     return None
+
 
 def _stack_expert_weights(linears: list[torch.nn.Module]) -> torch.nn.Parameter:
     """One ``[E, out, in]`` parameter from the experts' ``[out, in]`` weights, with their Megatron attributes.
