@@ -126,10 +126,14 @@ def test_make_targets_run_as_written() -> None:
     venv = Path(_make_variable("VENV", ".venv"))
     if not (venv if venv.is_absolute() else ROOT / venv).joinpath(".installed").exists():
         pytest.skip(f"make's environment {venv} is not installed here: run through `make test`, which creates it")
+    from tests.gpu_jobs import exclusive_gpus, gpu_job_env
+
     for block in _of_kind("make"):
         for command in block.commands:
             assert command.startswith("make "), command
-            done = _run(command, timeout=900, env={**os.environ})
+            # On a GPU machine the demo takes the GPUs: one job at a time, with the GPU jobs' environment.
+            with exclusive_gpus():
+                done = _run(command, timeout=900, env=gpu_job_env())
             assert done.returncode == 0, f"{command}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
             assert "MATCH" in done.stdout + done.stderr and "MISMATCH" not in done.stdout + done.stderr
 
