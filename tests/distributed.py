@@ -2,17 +2,22 @@
 
 Ranks are forked from a forkserver that has already imported torch, this package and Megatron (where installed),
 so a multi-rank test costs well under a second of start-up. Every run has a timeout: a hang fails the test instead
-of blocking CI, and leftover processes are killed. A failure on any rank is re-raised with that rank's traceback.
+of blocking CI, with each hung rank's Python stacks, and a rank that dies without a result fails the test at once;
+leftover processes are killed. A failure on any rank is re-raised with that rank's traceback.
 The ranks leave together: rank 0, whose process serves the store, stays until every rank is done with it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -37,6 +42,7 @@ _forkserver_hides_gpus = False
 
 
 _INIT_FAILED = "process-group initialisation failed:\n"
+_POLL_S = 0.5  # how often the parent looks for ranks that died without a result
 _INIT_ATTEMPTS = 3
 _GROUP_TIMEOUT = timedelta(seconds=60)
 # Store keys through which the ranks leave together (see _leave_together).
@@ -80,8 +86,12 @@ def _cpu_context() -> Any:
     return _CONTEXT
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, env: dict,
+            stack_file: str) -> None:
     os.environ.update(env)
+    # A hung run is reported with each rank's Python stacks: the parent sends SIGUSR1 before it kills the ranks.
+    stacks = open(stack_file, "w")  # noqa: SIM115 - open for the process's lifetime
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -181,27 +191,67 @@ def _run_once(
         env["CUDA_VISIBLE_DEVICES"] = ""
     port = free_port()
     results = context.Queue()
-    procs = [
-        context.Process(target=_worker, args=(r, world_size, port, fn, args, results, env))
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    outcomes: dict[int, tuple[bool, Any]] = {}
-    try:
-        while len(outcomes) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(outcomes))
-                raise RankFailure(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
-            outcomes[rank] = (ok, value)
-            if not ok:
-                break  # peers may now be stuck waiting for this rank
-    finally:
+    with tempfile.TemporaryDirectory(prefix="rank-stacks-") as stack_dir:
+        stack_files = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
+        procs = [
+            context.Process(target=_worker, args=(r, world_size, port, fn, args, results, env, stack_files[r]))
+            for r in range(world_size)
+        ]
         for proc in procs:
-            proc.join(timeout=5 if len(outcomes) == world_size else 0.5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.start()
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcomes) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=_POLL_S)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    # A rank that exited has sent all it ever will (its queue is flushed at exit): one that exited
+                    # without a result died (a signal, os._exit, a crash in the interpreter); say so at once.
+                    dead = [r for r in missing if procs[r].exitcode is not None]
+                    if dead and _nothing_more(results):
+                        codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in dead)
+                        raise RankFailure(f"ranks {dead} exited without a result (exit codes: {codes})") from None
+                    if time.monotonic() < deadline:
+                        continue
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout}s (hang?)\n"
+                                      + _stacks_of(procs, stack_files, missing)) from None
+                outcomes[rank] = (ok, value)
+                if not ok:
+                    break  # peers may now be stuck waiting for this rank
+        finally:
+            for proc in procs:
+                proc.join(timeout=5 if len(outcomes) == world_size else 0.5)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
     return outcomes
+
+
+def _nothing_more(results: Any) -> bool:
+    """Whether ``results`` stays empty for a moment (a result sent just before its rank exited is on its way)."""
+    try:
+        item = results.get(timeout=_POLL_S)
+    except queue.Empty:
+        return True
+    results.put(item)  # back for the caller's loop (the order of results does not matter)
+    return False
+
+
+def _stacks_of(procs: list, stack_files: list[str], ranks: list[int]) -> str:
+    """The Python stacks of the hung ``ranks`` (each dumps them on SIGUSR1), or why a rank has none."""
+    for rank in ranks:
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)  # the dump runs in the rank's signal handler
+    parts = []
+    for rank in ranks:
+        try:
+            with open(stack_files[rank]) as stacks:
+                text = stacks.read().strip()
+        except OSError:
+            text = ""
+        state = "alive" if procs[rank].is_alive() else f"exited with {procs[rank].exitcode}"
+        parts.append(f"--- rank {rank} ({state}) stacks:\n{text or '(none: the rank never reached its worker)'}")
+    return "\n".join(parts)

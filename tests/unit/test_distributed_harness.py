@@ -48,9 +48,23 @@ def test_an_unsendable_result_fails_at_once_instead_of_hanging() -> None:
     assert time.monotonic() - start < 30
 
 
-def test_a_hung_rank_fails_after_the_timeout() -> None:
-    with pytest.raises(RankFailure, match=r"ranks \[0\] did not finish within 3s"):
+def test_a_hung_rank_fails_after_the_timeout_with_its_stack() -> None:
+    with pytest.raises(RankFailure, match=r"(?s)ranks \[0\] did not finish within 3s.*rank 0 \(alive\) stacks:"
+                                          r".*in _rank_zero_hangs"):
         run_distributed(_rank_zero_hangs, 2, timeout=3)
+
+
+def _rank_one_dies(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)  # no exception, no result: as a crash in native code or a kill would leave it
+    time.sleep(600)
+
+
+def test_a_rank_that_dies_without_a_result_is_reported_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[1\] exited without a result \(exit codes: rank 1: 3\)"):
+        run_distributed(_rank_one_dies, 2, timeout=120)
+    assert time.monotonic() - start < 30
 
 
 def _rank_one_needs_the_store_after_rank_zero_returned(rank: int, world: int) -> str:
