@@ -97,6 +97,8 @@ def _zero_cost_backend(base, handle_cls, outputs):
                           expert_alignment=expert_alignment, zero_padding=zero_padding, num_tokens=num_tokens,
                           num_topk=num_topk, num_recv_rows=num_tokens, tokens_per_expert_list=counts,
                           host_sync=host_sync, native=None)
+            # Older trees' handles carry fields that later ones dropped: pass those the compared tree has.
+            fields = {name: value for name, value in fields.items() if name in handle_cls.__dataclass_fields__}
             count_tensors = (torch.tensor(counts), torch.tensor(num_tokens))
             if "device_counts" in handle_cls.__dataclass_fields__:
                 fields["device_counts"] = lambda: count_tensors

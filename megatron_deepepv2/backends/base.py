@@ -190,9 +190,7 @@ class DispatchHandle:
         backend: The backend instance (buffer) that dispatched; combine must use the same one.
         layout: Receive layout of the dispatch.
         num_experts: Global number of experts.
-        num_local_experts: Experts hosted by each rank.
         expert_alignment: Expand-layout block alignment (1 = none).
-        zero_padding: Whether expand padding rows are zero-filled.
         num_tokens: Rows of the dispatch input on this rank (``T``); combine returns this many rows.
         num_topk: Top-k of the routing (``K``).
         num_recv_rows: Rows of the received tensor (the worst case without host sync).
@@ -209,9 +207,7 @@ class DispatchHandle:
     backend: "DispatchBackend"
     layout: ExpertLayout
     num_experts: int
-    num_local_experts: int
     expert_alignment: int
-    zero_padding: bool
     num_tokens: int
     num_topk: int
     num_recv_rows: int

@@ -278,8 +278,7 @@ class DeepEPBackend(DispatchBackend):
 
     # ------------------------------------------------------------------------------------------
     def _wrap(self, layout: ExpertLayout, native_handle: Any, num_tokens: int, num_topk: int,
-              num_experts: int, expert_alignment: int, zero_padding: bool, num_recv_rows: int,
-              host_sync: bool) -> DispatchHandle:
+              num_experts: int, expert_alignment: int, num_recv_rows: int, host_sync: bool) -> DispatchHandle:
         expand = layout is ExpertLayout.EXPAND
 
         def device_counts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,9 +297,7 @@ class DeepEPBackend(DispatchBackend):
             backend=self,
             layout=layout,
             num_experts=num_experts,
-            num_local_experts=num_experts // self.group_size,
             expert_alignment=expert_alignment,
-            zero_padding=zero_padding,
             num_tokens=num_tokens,
             num_topk=num_topk,
             num_recv_rows=num_recv_rows,
@@ -369,7 +366,7 @@ class DeepEPBackend(DispatchBackend):
         rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         handle = self._wrap(
             layout, native_handle, topk_idx.shape[0], topk_idx.shape[1], num_experts, expert_alignment,
-            zero_padding, rows.shape[0], host_sync,
+            rows.shape[0], host_sync,
         )
         if not host_sync:
             # Rows past the valid extent are uninitialised: expert id -1 and weight 0, as the contract says.
