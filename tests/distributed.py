@@ -15,12 +15,13 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
+
+from megatron_deepepv2._dist import free_port
 
 _CONTEXT = mp.get_context("forkserver")
 # What the ranks would import: Megatron (where installed; a missing module is skipped) takes seconds per rank, so the
@@ -52,13 +53,6 @@ _ALL_LEFT_KEY = "tests.distributed/all_left"
 
 class RankFailure(AssertionError):
     """A rank of a distributed test raised; the message holds its traceback."""
-
-
-def free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _cpu_context() -> Any:
