@@ -8,17 +8,12 @@ rebuilt only when a batch needs more token capacity than it has; a build is coll
 and never happens inside CUDA-graph capture.
 
 **Lifetime.** Every dispatch handle refers to the buffer that made it, and the autograd graph of a micro-batch keeps
-its handle until the graph is freed (after its backward, once nothing refers to the step's outputs). Several
-micro-batches are in flight under pipeline schedules, EP all-to-all overlap and variable-length batches, so a
-rebuild must not destroy the superseded buffer: it is *retired*, still usable by the handles that refer to it, and
-destroyed once none does. Destroying is collective (DeepEP barriers), so it happens at a point every rank reaches in
-the same order -- the start of a later dispatch on the same group -- and only when every rank agrees, through one
-small all-reduce, that no handle uses the buffer any more. That all-reduce runs only while a retired buffer waits
-(a few calls after a rebuild), never in steady state and never during CUDA-graph capture. Dispatches without host
-sync skip it (reading its result would synchronise the host): their retired buffers go at the next build, whose
-all-reduce carries the same flags, or at :func:`destroy_buffers`, which releases everything at shutdown. Their
-memory is held until then (capacity only grows, so all of them together take less than the current buffer; a
-configured capacity never rebuilds).
+its handle until the graph is freed. Several micro-batches are in flight under pipeline schedules, EP all-to-all
+overlap and variable-length batches, so a rebuild must not destroy the superseded buffer: it is *retired* (its
+handles still work; the layers' bound dispatchers see the flag and take the new one) and destroyed at a later build
+on the same group once every rank agrees, in that build's all-reduce, that no handle uses it any more -- or at
+:func:`destroy_buffers`, which releases everything at shutdown. Nothing runs per call for it: capacity only grows,
+so all retired buffers together take less memory than the current one, and a configured capacity never rebuilds.
 
 Token capacity (``num_max_tokens_per_rank``) is the same on every rank, as DeepEP requires (it is a JIT
 constant and a layout parameter). It comes from configuration, exactly as configured (it sizes the worst-case
@@ -35,10 +30,9 @@ so the ranks grow in lock-step).
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -46,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_deepepv2._dist import all_reduce_max, announce_failure, next_power_of_two, rendezvous
 from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
+from megatron_deepepv2.validation import raise_on_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +60,8 @@ class BufferStats:
     released: int = 0
 
 
-#: (backend name, group, hidden, top-k, FP8, deterministic, SMs): the shape key without the capacity, as a plain
-#: tuple (hashing it is the only per-call cost of finding the buffer).
-_Key = tuple[str, dist.ProcessGroup, int, int, bool, bool, int]
+#: (backend name, group, shape key with capacity 0).
+_Key = tuple[str, dist.ProcessGroup, BufferSpec]
 
 #: Buffer in use per key.
 _buffers: dict[_Key, DispatchBackend] = {}
@@ -103,45 +97,29 @@ _stats = BufferStats()
 _builds: dict[dist.ProcessGroup, int] = {}
 
 
-@functools.cache
-def _has_cuda() -> bool:
-    return torch.cuda.is_available()  # fixed for the process; asking costs ~0.1 ms per dispatch
-
-
 def _is_capturing() -> bool:
-    return _has_cuda() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def get_buffer(
     backend_cls: type[DispatchBackend],
     group: dist.ProcessGroup,
-    *,
-    hidden: int,
-    num_topk: int,
-    use_fp8: bool,
+    spec: BufferSpec,
     num_tokens: int,
+    *,
     configured_capacity: Optional[int] = None,
-    deterministic: bool = False,
-    num_sms: int = 0,
     growth_timeout_s: float = 120.0,
-    host_sync: bool = True,
 ) -> DispatchBackend:
-    """Returns the buffer for ``group``, building or rebuilding it when needed.
+    """Returns the buffer for ``group`` and ``spec``, building or rebuilding it when needed (not a per-call function:
+    :class:`~megatron_deepepv2.ops.Dispatcher` keeps the buffer it got until it is retired or too small).
 
     Args:
         backend_cls: Backend class to build.
         group: Expert-parallel process group.
-        hidden: Hidden size of the dispatched tokens.
-        num_topk: Top-k of the routing.
-        use_fp8: Whether FP8 pairs are dispatched.
-        num_tokens: Tokens this call dispatches (the largest over the group when known).
+        spec: The shape key; its ``num_max_tokens_per_rank`` is ignored (the capacity is decided here).
+        num_tokens: Tokens this call dispatches.
         configured_capacity: Configured ``num_max_tokens_per_rank``, or None to take the largest first batch.
-        deterministic: Build the buffer in deterministic mode.
-        num_sms: SMs for the communication kernels (0 = backend's choice).
         growth_timeout_s: How long a build waits for the other ranks of ``group`` to build too.
-        host_sync: Whether the calling dispatch may synchronise the host. Without, retired buffers are not released
-            here (agreeing that no rank uses them reads a device value) but at the next build or
-            :func:`destroy_buffers`.
 
     Returns:
         A buffer whose capacity is at least ``num_tokens``.
@@ -151,15 +129,10 @@ def get_buffer(
         ValueError: If the other ranks did not come to the build within ``growth_timeout_s`` (this rank's batch
             exceeds the capacity and theirs do not).
     """
-    key = (backend_cls.name, group, hidden, num_topk, use_fp8, deterministic, num_sms)
-    if host_sync and group in _retired and not _is_capturing():
-        # Collective: every rank reaches this dispatch in the same order (host sync or not is part of a layer's
-        # configuration, the same on every rank).
-        _drop_unused(group, all_reduce_max(_retired_in_use(group), group))
+    key = (backend_cls.name, group, replace(spec, num_max_tokens_per_rank=0))
     current = _buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
-        return current  # steady state: no collective
-
+        return current
     if _is_capturing():
         raise RuntimeError(
             "The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
@@ -167,13 +140,11 @@ def get_buffer(
         )
 
     # A configured capacity is taken as it is: without host sync it sizes every worst-case receive buffer, so
-    # rounding it up would inflate them.
-    capacity = int(configured_capacity) if configured_capacity else 0
-    # Start from the largest capacity this group already has (another layer's buffer has seen the same batches),
-    # so that a second key does not grow through the sizes the first one grew through.
-    known = [b.spec.num_max_tokens_per_rank for (name, g, *_), b in _buffers.items() if name == backend_cls.name
-             and g is group]
-    capacity = max([capacity, *known])
+    # rounding it up would inflate them. Start from the largest capacity this group already has (another layer's
+    # buffer has seen the same batches), so that a second key does not grow through the sizes the first one did.
+    capacity = max([int(configured_capacity or 0)] + [b.spec.num_max_tokens_per_rank
+                                                      for (name, g, _), b in _buffers.items()
+                                                      if name == backend_cls.name and g is group])
     # Builds are collective: first make sure every rank is here, through the store, so that a rank that exceeds the
     # capacity alone fails with the reason instead of waiting in an all-reduce the others never join.
     _builds[group] = _builds.get(group, 0) + 1
@@ -193,11 +164,14 @@ def get_buffer(
                 "lock-step).")
         announce_failure(group, problem)
         raise problem
-    # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the largest batch
-    # before building, and on which retired buffers no rank uses any more (released here, in every mode).
-    largest, *in_use = all_reduce_max([num_tokens, *_retired_in_use(group)], group)
+    # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the largest batch, on
+    # the shape key (a rank whose key differs would corrupt the exchange: every rank raises naming each one's), and on
+    # which retired buffers no rank uses any more (released here).
+    alike = {"hidden size": spec.hidden, "top-k": spec.num_topk, "FP8": int(spec.use_fp8),
+             "deterministic": int(spec.deterministic), "SMs": spec.num_sms}
+    largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, alike=alike)
     if group in _retired:
-        _drop_unused(group, in_use)
+        _drop_unused(group, all_reduce_max([int(_in_use(buffer)) for buffer in _retired[group]], group))
     # Only a learnt capacity (largest batch) is rounded to a power of two, so that batches of varying size rebuild
     # (and recompile DeepEP's kernels) rarely.
     capacity = max(capacity, next_power_of_two(largest) if not configured_capacity else largest)
@@ -206,16 +180,15 @@ def get_buffer(
         _stats.rebuilds_for_capacity += 1
         logger.info("Rebuilding the %s buffer: %d tokens exceed capacity %d (the old buffer is kept until no "
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
+        current.retired = True
         _retired.setdefault(group, []).append(_buffers.pop(key))
 
-    spec = BufferSpec(hidden=hidden, num_topk=num_topk, use_fp8=use_fp8, num_max_tokens_per_rank=capacity,
-                      deterministic=deterministic, num_sms=num_sms)
-    buffer = backend_cls(group, spec)
+    buffer = backend_cls(group, replace(spec, num_max_tokens_per_rank=capacity))
     _buffers[key] = buffer
     _stats.builds += 1
     logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
-                "%s, %d ranks%s)", backend_cls.name, buffer.num_bytes / 2**20, capacity, hidden, num_topk,
-                "FP8" if use_fp8 else "BF16", buffer.group_size, ", deterministic" if deterministic else "")
+                "%s, %d ranks%s)", backend_cls.name, buffer.num_bytes / 2**20, capacity, spec.hidden, spec.num_topk,
+                "FP8" if spec.use_fp8 else "BF16", buffer.group_size, ", deterministic" if spec.deterministic else "")
     return buffer
 
 
@@ -245,12 +218,6 @@ def _forget(buffer: DispatchBackend) -> None:
     _handles.pop(buffer, None)
 
 
-def _retired_in_use(group: dist.ProcessGroup) -> list[int]:
-    """One flag per retired buffer of ``group``, the same list on every rank (rebuilds are collective): 1 = a handle
-    of this rank still uses it."""
-    return [int(_in_use(buffer)) for buffer in _retired.get(group, ())]
-
-
 def _drop_unused(group: dist.ProcessGroup, in_use: list[int]) -> None:
     """Destroys the retired buffers of ``group`` whose flag, agreed over the ranks, says no rank uses them
     (collective: DeepEP's destroy synchronises the ranks)."""
@@ -271,7 +238,9 @@ def destroy_buffers() -> None:
     """Destroys every buffer of this process, retired ones included (collective: call it on every rank, e.g.
     before shutdown, once no backward pass is pending)."""
     for key in list(_buffers):
-        _forget(_buffers.pop(key))
+        buffer = _buffers.pop(key)
+        buffer.retired = True
+        _forget(buffer)
     for group in list(_retired):
         for buffer in _retired.pop(group):
             _forget(buffer)

@@ -3,20 +3,9 @@
 Each field has an environment variable (``MEGATRON_DEEPEPV2_<FIELD>``), read on first use. Code and
 tests change settings with :func:`configure` or, temporarily, :func:`settings_override`.
 
-| field | environment variable | default |
-|---|---|---|
-| ``backend`` | ``MEGATRON_DEEPEPV2_BACKEND`` | ``auto`` (DeepEP when usable on CUDA, else reference) |
-| ``layout`` | ``MEGATRON_DEEPEPV2_LAYOUT`` | ``expand`` |
-| ``num_max_tokens_per_rank`` | ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK`` | unset: max over ranks of the first batch |
-| ``validate`` | ``MEGATRON_DEEPEPV2_VALIDATE`` | off (host-synchronising checks) |
-| ``check_ids`` | ``MEGATRON_DEEPEPV2_CHECK_IDS`` | on (expert-id checks on the device, no host sync) |
-| ``growth_timeout_s`` | ``MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S`` | 120 (how long a capacity growth waits for the other ranks) |
-| ``deterministic`` | ``MEGATRON_DEEPEPV2_DETERMINISTIC`` | off |
-| ``num_sms`` | ``MEGATRON_DEEPEPV2_NUM_SMS`` | 64 (measured, see below); Megatron's SM setting wins when set |
-| ``allow_hybrid_mode`` | ``MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE`` | unset: only when the group spans nodes |
-| ``no_host_sync`` | ``MEGATRON_DEEPEPV2_NO_HOST_SYNC`` | off (dispatch waits on the host for exact sizes) |
-| ``fp8_dispatch`` | ``MEGATRON_DEEPEPV2_FP8_DISPATCH`` | off (hidden states dispatched in BF16) |
-| ``manager`` | ``MEGATRON_DEEPEPV2_MANAGER`` | ``plugin``: this package's manager, also where megatron-core ships its own |
+Each field of :class:`DeepepV2Settings` is also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in
+capitals (``MEGATRON_DEEPEPV2_LAYOUT=compact``, ``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``; ``MAX_TOKENS_PER_RANK`` too names
+``num_max_tokens_per_rank``), parsed by the field's type; the class's docstring is the one list of them.
 """
 
 from __future__ import annotations
@@ -25,9 +14,10 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
+import typing
 from typing import Any, Iterator, Optional
 
-from megatron_deepepv2.backends.base import ExpertLayout
+from megatron_deepepv2.layout import ExpertLayout
 
 #: SMs for DeepEP's kernels when neither Megatron's ``moe_flex_dispatcher_num_sms`` nor
 #: ``MEGATRON_DEEPEPV2_NUM_SMS`` says otherwise. Chosen from ``tools/bench.py --sm-sweep`` on 2x H200 (NV18),
@@ -130,40 +120,37 @@ class DeepepV2Settings:
             ValueError: If a variable holds a value its field cannot take.
         """
         environ = os.environ if environ is None else environ
+        types = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = environ.get(_ENV_PREFIX + f.name.upper())
             if raw is None and f.name == "num_max_tokens_per_rank":
                 raw = environ.get(_ENV_PREFIX + "MAX_TOKENS_PER_RANK")
-            if raw is None:
-                continue
-            values[f.name] = _parse_env_value(f.name, raw)
+            if raw is not None:
+                values[f.name] = _parse_env_value(_ENV_PREFIX + f.name.upper(), raw, types[f.name])
         return cls(**values)
 
 
-def _parse_env_value(name: str, raw: str) -> Any:
-    variable = _ENV_PREFIX + name.upper()
+def _parse_env_value(variable: str, raw: str, kind: Any) -> Any:
+    """``raw`` as a value of the field type ``kind`` (``Optional[X]``: empty or ``auto`` is None)."""
     text = raw.strip().lower()
-    if name in ("validate", "check_ids", "deterministic", "allow_hybrid_mode", "no_host_sync", "fp8_dispatch"):
-        if name == "allow_hybrid_mode" and text in ("", "auto"):
+    optional = type(None) in typing.get_args(kind)
+    if optional:
+        if text in ("", "auto"):
             return None
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if kind is bool:
         if text in _TRUE:
             return True
         if text in _FALSE:
             return False
         raise ValueError(f"{variable}={raw!r} is not a boolean; use 1 or 0.")
-    if name in ("num_max_tokens_per_rank", "num_sms"):
-        if name == "num_max_tokens_per_rank" and text in ("", "auto"):
-            return None
+    if kind in (int, float):
         try:
-            return int(text)
+            return kind(text)
         except ValueError:
-            raise ValueError(f"{variable}={raw!r} is not an integer.") from None
-    if name == "growth_timeout_s":
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{variable}={raw!r} is not a number of seconds.") from None
+            noun = "an integer" if kind is int else "a number"
+            raise ValueError(f"{variable}={raw!r} is not {noun}.") from None
     return raw.strip()
 
 

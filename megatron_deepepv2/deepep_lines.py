@@ -8,15 +8,21 @@ Two lines provide the expert-parallel buffer the backends drive:
   DeepJIT submodule, cache in ``$HOME/.dj``); no NVSHMEM, no v1 ``Buffer``.
 
 A ``deep_ep`` that exports only ``Buffer`` is DeepEP v1 (or HybridEP, which installs a module of the same name).
-The doctor, the installer and the backend's import check all ask this module, so the requirements live in one place.
+The doctor, the installer and the backend's import check all ask this module, so the requirements live in one place;
+:func:`import_deep_ep` and :func:`deepep_unavailable_reason` are the backend's import and availability checks.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
+
+from megatron_deepepv2._dist import runtime_nccl_version
 
 Version = tuple[int, ...]
 
@@ -101,3 +107,68 @@ def source_tree_version(path: str) -> str:
     except OSError:
         return "unknown"
     return found.group(1) if found else "unknown"
+
+
+INSTALL_HINT = (
+    "Install DeepEP v2 -- the 2.1 line (deep_ep.ElasticBuffer, NCCL >= 2.30.4) or V2.5 (deep_ep.EPBuffer, NCCL >= "
+    "2.32.3 and nvcc >= 13.1) -- built against the NCCL that PyTorch loads, on an SM90/SM100 GPU with nvcc at run "
+    "time for its JIT: `python -m megatron_deepepv2.install_deepep --deepep-src PATH` does it "
+    "(see https://github.com/deepseek-ai/DeepEP). On single-node machines without an RDMA NIC also set "
+    "EP_DISABLE_GIN=1. Or select the portable backend with MEGATRON_DEEPEPV2_BACKEND=reference. "
+    "`python -m megatron_deepepv2.doctor` checks every requirement."
+)
+
+
+def import_deep_ep() -> Any:
+    """Imports ``deep_ep`` and checks that it is DeepEP v2 (the 2.1 or the V2.5 line).
+
+    Returns:
+        The ``deep_ep`` module.
+
+    Raises:
+        ImportError: If ``deep_ep`` is missing, fails its own import checks (DeepEP raises AssertionError for
+            an NCCL mismatch, which is converted here), or has neither ``EPBuffer`` nor ``ElasticBuffer``; the
+            message names what was found (v1's ``Buffer``, or another package's ``deep_ep``).
+    """
+    try:
+        import deep_ep  # noqa: PLC0415 - optional dependency
+    except ImportError as error:
+        raise ImportError(f"deep_ep is not importable ({error}). {INSTALL_HINT}") from error
+    except AssertionError as error:  # check_nccl_so(): duplicate or mismatched libnccl
+        raise ImportError(f"deep_ep refused to import: {error}. {INSTALL_HINT}") from error
+    if line_of_module(deep_ep) is None:
+        raise ImportError(f"{_describe_deep_ep(deep_ep)} {INSTALL_HINT}")
+    return deep_ep
+
+
+def _describe_deep_ep(deep_ep: Any) -> str:
+    """Says what a ``deep_ep`` without a DeepEP v2 buffer is, from what it exports."""
+    version = getattr(deep_ep, "__version__", "of unknown version")
+    where = getattr(deep_ep, "__file__", None) or "an unknown location"
+    if hasattr(deep_ep, "Buffer"):
+        return (f"deep_ep {version} (from {where}) has Buffer but neither ElasticBuffer (DeepEP 2.1) nor EPBuffer "
+                "(V2.5): it is DeepEP v1 (or HybridEP, which installs a module of the same name).")
+    found = sorted(name for name in vars(deep_ep) if not name.startswith("_"))
+    return (f"deep_ep {version} (from {where}) has neither ElasticBuffer (DeepEP 2.1) nor EPBuffer (V2.5) nor Buffer "
+            f"(v1); it exports {found[:12]}. Another package may own the name deep_ep (HybridEP installs one too).")
+
+
+@functools.lru_cache(maxsize=1)
+def deepep_unavailable_reason() -> Optional[str]:
+    """Why DeepEP v2 cannot run in this process, or None (computed once)."""
+    if not torch.cuda.is_available():
+        return f"no CUDA device is visible. {INSTALL_HINT}"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"DeepEP v2 needs an SM90 (Hopper) or SM100 GPU; this one is SM{major}x. {INSTALL_HINT}"
+    nccl = runtime_nccl_version()
+    if nccl is not None and nccl < DEEPEP_2_1.min_nccl:
+        return f"PyTorch loaded NCCL {version_text(nccl)}; DeepEP v2 needs >= 2.30.4. {INSTALL_HINT}"
+    try:
+        line = line_of_module(import_deep_ep())
+    except ImportError as error:
+        return str(error)
+    if nccl is not None and nccl < line.min_nccl:
+        return (f"PyTorch loaded NCCL {version_text(nccl)}; DeepEP {line.name} ({line.buffer_class}) needs >= "
+                f"{version_text(line.min_nccl)}. {INSTALL_HINT}")
+    return None

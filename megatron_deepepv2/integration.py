@@ -278,7 +278,7 @@ def _patch_moe_layer_expert_check() -> None:
     def __init__(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         from megatron_deepepv2.experts import check_experts_take_device_counts  # noqa: PLC0415
-        from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
+        from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
 
         if is_deepepv2(self.config) and not dispatch_config_for(self.config).host_sync:
             check_experts_take_device_counts(self.experts)
@@ -310,7 +310,7 @@ def _replace_function(module_names: list[str], name: str, make_wrapper: Callable
 
 def _wrap_should_free_input(original: Callable) -> Callable:
     from megatron_deepepv2.backends import ExpertLayout  # noqa: PLC0415
-    from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
+    from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
 
     def should_free_input(name, is_moe, config, num_local_experts):
         if not is_deepepv2(config):
@@ -341,7 +341,7 @@ def _wrap_build_callables(original: Callable) -> Callable:
 
 
 def _wrap_skip_padding(original: Callable) -> Callable:
-    from megatron_deepepv2.manager import dispatcher_pads_for_experts  # noqa: PLC0415
+    from megatron_deepepv2.policy import dispatcher_pads_for_experts  # noqa: PLC0415
 
     def skip_routed_expert_padding(config):
         if is_deepepv2(config) and dispatcher_pads_for_experts(config):

@@ -12,7 +12,7 @@ Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` 
   ``_DeepepManager``) with its align size.
 
 Choose with ``MEGATRON_DEEPEPV2_LAYOUT`` or ``megatron_deepepv2.configure(layout=...)``; the choice (with the
-other dispatch settings) is resolved once per ``TransformerConfig`` by :func:`dispatch_config_for`.
+other dispatch settings) is resolved once per ``TransformerConfig`` by :func:`megatron_deepepv2.policy.dispatch_config_for`.
 
 No host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``, expand only): the dispatch output has the worst-case
 row count and ``get_number_of_tokens_per_expert()`` is a device tensor; nothing on this path reads a
@@ -29,133 +29,22 @@ flagged in ``over_budget`` (Megatron's ``check_over_budget`` / ``reset_over_budg
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
-from megatron_deepepv2 import fp8, ops
-from megatron_deepepv2.backends import DispatchHandle, ExpertLayout, align_up, uninitialized_memory_fill_off
-from megatron_deepepv2.config import get_settings
+from megatron_deepepv2 import ops
+from megatron_deepepv2.backends import DispatchHandle, ExpertLayout
+from megatron_deepepv2.layout import align_up
+from megatron_deepepv2.policy import deterministic_algorithms, dispatch_config_for
 
 logger = logging.getLogger(__name__)
 
 _warned_low_precision_probs = False
-
-
-def alignment_for(config) -> int:
-    """Row alignment the experts need (grouped-GEMM / quantization), 1 when none."""
-    return max(int(moe_utils.get_align_size_for_quantization(config)), 1)
-
-
-def configured_num_sms(config) -> int:
-    """Megatron's SM setting for the dispatcher kernels, 0 when unset.
-
-    ``moe_flex_dispatcher_num_sms`` on megatron-core >= 0.19 (default None = unset, then the package's
-    ``num_sms`` setting applies); ``moe_deepep_num_sms`` before, whose Megatron default 20 always counts as set.
-    """
-    if hasattr(config, "moe_flex_dispatcher_num_sms"):
-        return int(config.moe_flex_dispatcher_num_sms or 0)
-    return int(getattr(config, "moe_deepep_num_sms", 0) or 0)
-
-
-def permute_pads(config) -> bool:
-    """Whether Megatron's permute pads per-expert blocks itself (TE fused permute-and-pad with an align size)."""
-    return bool(
-        config.moe_permute_fusion
-        and getattr(moe_utils, "fused_permute_and_pad_with_probs", None) is not None
-        and moe_utils.get_align_size_for_quantization(config) > 0
-    )
-
-
-def dispatch_config_for(config) -> ops.DispatchConfig:
-    """The deepepv2 dispatch configuration of a Megatron ``TransformerConfig``: resolved once, then carried.
-
-    Resolved from the process-wide settings and the config (layout, alignment, SMs, host sync, determinism,
-    capacity, backend) on first use and kept on the config object, so every layer built from it and every
-    Megatron patch that asks about it see the same answer, however the settings change later.
-
-    Args:
-        config: Megatron ``TransformerConfig`` of a deepepv2 MoE layer.
-
-    Returns:
-        The configuration.
-
-    Raises:
-        ValueError: If no-host-sync mode is asked for with the compact layout, the backend cannot run the mode, or
-            FP8 dispatch is asked for with a hidden size that is not a multiple of 128.
-        TypeError: If FP8 dispatch is asked for by a model that does not train in BF16.
-        ImportError: If the configured backend was named explicitly and cannot run.
-    """
-    resolved = getattr(config, "_deepepv2_dispatch_config", None)
-    if resolved is not None:
-        return resolved
-    settings = get_settings()
-    layout = settings.layout
-    if settings.no_host_sync and layout is ExpertLayout.COMPACT:
-        raise ValueError(
-            "MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 needs the expand layout: the compact layout goes through "
-            "Megatron's permute, which sizes its output on the host. Set MEGATRON_DEEPEPV2_LAYOUT=expand."
-        )
-    expand = layout is ExpertLayout.EXPAND
-    resolved = ops.DispatchConfig.resolve(
-        layout=layout,
-        expert_alignment=alignment_for(config) if expand else 1,
-        zero_padding=expand,
-        # One SM count for dispatch and combine, forward and backward (combine and cached dispatch reuse the
-        # count the dispatch recorded in its handle).
-        num_sms=configured_num_sms(config) or settings.num_sms or 0,
-        deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
-        # Megatron's multihot conversion ignores the entries of other ranks' experts.
-        mask_foreign_weights=False,
-        # The manager's ids come from torch.topk (setup_metadata): in range and distinct by construction.
-        check_ids=False,
-    )
-    if resolved.fp8_dispatch:  # at layer construction, not mid-step
-        bf16 = bool(getattr(config, "bf16", False)) or getattr(config, "params_dtype", None) == torch.bfloat16
-        if not bf16:
-            raise TypeError("FP8 dispatch (MEGATRON_DEEPEPV2_FP8_DISPATCH=1) quantises BF16 hidden states; this model "
-                            "does not train in BF16. Add --bf16 or turn FP8 dispatch off.")
-        problem = fp8.fp8_hidden_size_problem(config.hidden_size)
-        if problem is not None:
-            raise problem
-    object.__setattr__(config, "_deepepv2_dispatch_config", resolved)
-    return resolved
-
-
-def dispatcher_pads_for_experts(config) -> bool:
-    """Whether the deepepv2 path hands experts already-padded blocks (so experts must not pad again).
-
-    Args:
-        config: Megatron ``TransformerConfig``.
-
-    Returns:
-        True for the expand layout (DeepEP's ``expert_alignment``), and for the compact layout when
-        Megatron's fused permute pads.
-    """
-    return dispatch_config_for(config).layout is ExpertLayout.EXPAND or permute_pads(config)
-
-
-@contextlib.contextmanager
-def deterministic_algorithms() -> Iterator[None]:
-    """Enables torch's deterministic algorithms for the block, without filling uninitialised memory.
-
-    ``fill_uninitialized_memory`` stays off because DeepEP rejects it (and it is not needed for
-    reproducibility of results that never read uninitialised memory). Both settings are restored.
-    """
-    was_enabled = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    with uninitialized_memory_fill_off():
-        torch.use_deterministic_algorithms(True)
-        try:
-            yield
-        finally:
-            torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
 
 
 class _DeepepV2Manager(_DeepepManager):
@@ -195,6 +84,7 @@ class _DeepepV2Manager(_DeepepManager):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.permute_fusion = config.moe_permute_fusion
         self.dispatch_config = dispatch_config_for(config)  # fails early for an explicit backend
+        self.dispatcher = self.dispatch_config.dispatcher(group, num_experts)
         self.rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
         if self.rank_capacity_factor is not None and self.layout is not ExpertLayout.EXPAND:
             raise ValueError(
@@ -253,28 +143,28 @@ class _DeepepV2Manager(_DeepepManager):
                 logger.warning("deepepv2 dispatches fp32 probs; set --moe-router-dtype fp32 to avoid a cast.")
                 _warned_low_precision_probs = True
             self.token_probs = self.token_probs.float()
-        result = ops.dispatch(
-            hidden_states,
-            self.token_indices,
-            self.token_probs,
-            self.num_experts,
-            group=self.group,
-            config=self.dispatch_config,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-        )
-        self.handle = result.handle
-        self.dispatched_indices = result.recv_topk_idx
-        self.dispatched_probs = result.recv_topk_weights
+        # The op itself, not ops.dispatch: the inputs are this manager's own (contiguous, fp32 probs), so the layer's
+        # bound dispatcher checks and leases, and the Function calls the backend.
+        bound = self.dispatcher
+        hidden_states = hidden_states.contiguous()  # no copy when it is already (DeepEP needs it)
+        buffer = bound.prepare(hidden_states, self.token_indices, self.token_probs)
+        side: list = []
+        streams = ops.STREAMS[bool(async_finish), bool(allocate_on_comm_stream)]
+        try:
+            recv_x, self.dispatched_probs = ops.DispatchFunction.apply(
+                hidden_states, self.token_probs, (bound, buffer, self.token_indices, None, streams, side))
+        except Exception as error:
+            raise ops.peer_failure(error, self.group) from error
+        _, self.dispatched_indices, self.handle = side
         if self.host_sync:
             # Host counts (already on the host: the dispatch synchronised to size its outputs).
-            self.tokens_per_expert = torch.tensor(result.handle.tokens_per_expert_list, dtype=torch.int64)
+            self.tokens_per_expert = torch.tensor(self.handle.tokens_per_expert_list, dtype=torch.int64)
         else:
-            self.tokens_per_expert = result.tokens_per_expert
+            self.tokens_per_expert = self.handle.tokens_per_expert
         self._bounded_rows = None
         if self.rank_capacity_factor is not None:
-            return self._apply_receive_bound(result.recv_x, result.handle)
-        return result.recv_x
+            return self._apply_receive_bound(recv_x, self.handle)
+        return recv_x
 
     def receive_bound(self, handle: DispatchHandle) -> int:
         """Rows the experts receive at most under ``moe_expert_rank_capacity_factor``.

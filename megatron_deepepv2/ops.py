@@ -1,4 +1,4 @@
-"""Differentiable dispatch and combine: the autograd ops every caller (the Megatron manager included) uses.
+"""Differentiable dispatch and combine: one bound :class:`Dispatcher` per layer, one autograd Function per op.
 
 =========  ==========================================  ==========================================
 op         forward                                     backward
@@ -7,49 +7,64 @@ dispatch   backend dispatch (fresh routing)            combine of the gradient, 
 combine    backend combine                             cached dispatch of the gradient
 =========  ==========================================  ==========================================
 
-Ordering rule (Megatron-LM#5153 review): every kernel that produces a communication input --
-``.contiguous()``, the fp32 cast of weights or gradients -- is enqueued *before* the event the
-communication stream waits on is captured. Otherwise the communication stream can read unwritten memory.
+What stays the same from call to call is resolved once: a :class:`DispatchConfig` (the settings of a layer), and a
+:class:`Dispatcher` that binds it to a process group and an expert count and keeps what it learns -- the input
+signature that passed the static checks, the buffer it leases (until a rebuild retires it), the backend's call
+arguments. A call then checks nothing it checked before, looks nothing up, and makes one backend call per op; the
+Megatron manager reaches DeepEP through three frames of this package (its ``dispatch``, the Function's ``forward``,
+the backend's ``dispatch``).
+
+Ordering rule (Megatron-LM#5153 review): every kernel that produces a communication input -- ``.contiguous()``, the
+fp32 cast of weights or gradients -- is enqueued *before* the event the communication stream waits on is captured
+(the backends capture it inside their call).
 
 FP8 dispatch (the configuration's ``fp8_dispatch``): the forward quantises ``x`` just before the backend's dispatch
 and dequantises the received rows just after (:mod:`megatron_deepepv2.fp8`), so the backward is the BF16 one -- a
 straight-through estimator for ``x``.
 
-In the compact layout, weights received for experts of other ranks (``recv_topk_idx == -1``) are returned
-as zero. Their gradient is therefore exactly zero, which is what combine-as-backward computes: it gathers
-each top-k slot's weight gradient from the rank that owns the slot's expert only.
-
-Host time per call (``tools/bench_host_overhead.py``): the configuration is resolved once (a
-:class:`DispatchConfig`, or once per distinct arguments and settings), the static checks once per input signature,
-the buffer is found by one tuple lookup, and each autograd function takes its non-differentiable arguments as one
-object; what remains per call is the backend call, the handle and its weak record, and PyTorch's own cost of two
-Python autograd functions.
+Passes only direct callers need are configuration switches, on by default and off in the Megatron manager, whose
+consumers never read what they write: ``mask_foreign_weights`` (compact: zero the received weights of other ranks'
+experts; their gradient is zero either way, since combine-as-backward gathers each slot's weight gradient from the
+slot's owning rank only), ``clear_tail`` (without host sync: expert id -1 and weight 0 on the rows past the valid
+extent, and zero rows past it in a combine's input gradient) and ``check_ids`` (expert ids in range and distinct).
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2 import _dist, buffers, fp8, validation
-from megatron_deepepv2._dist import group_size
-from megatron_deepepv2.backends import DispatchBackend, DispatchHandle, ExpertLayout, HiddenStates, resolve_backend
-from megatron_deepepv2.config import get_settings
+from megatron_deepepv2 import _dist, buffers, expert_kernels, fp8, validation
+from megatron_deepepv2.backends import (
+    BufferSpec,
+    DispatchBackend,
+    DispatchHandle,
+    ExpertLayout,
+    HiddenStates,
+    Routing,
+    Streams,
+    resolve_backend,
+)
+from megatron_deepepv2.config import DeepepV2Settings, get_settings
+from megatron_deepepv2.layout import rows_past_valid
+
+#: The stream modes by (async_finish, allocate_on_comm_stream): built once, passed on every call.
+STREAMS = {(a, b): Streams(a, b) for a in (False, True) for b in (False, True)}
 
 
 class DispatchResult(NamedTuple):
-    """Output of :func:`dispatch` (a named tuple: building it costs a fraction of a dataclass's).
+    """Output of a dispatch.
 
     Attributes:
         recv_x: Received rows (an FP8 pair when one was dispatched).
         recv_topk_idx: Compact: ``[N, K]`` local expert ids (-1 = other rank). Expand: None.
-        recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1 (unless the
-            configuration's ``mask_foreign_weights`` is off). Expand: ``[N]`` fp32, zero on padding rows. None
-            when no weights were dispatched.
+        recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1 (with
+            ``mask_foreign_weights``). Expand: ``[N]`` fp32, one per row (zero on padding rows with ``zero_padding``).
+            None when no weights were dispatched.
         handle: Handle for :func:`combine` (``handle.num_valid_rows``: rows holding data, on the device).
     """
 
@@ -60,40 +75,35 @@ class DispatchResult(NamedTuple):
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
-        """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device.
-
-        With host sync they are derived on first access only (``handle.tokens_per_expert_list`` already has
-        them on the host); without, they were computed by the dispatch.
-        """
+        """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device (derived on first use)."""
         return self.handle.tokens_per_expert
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """Everything about a dispatch that stays the same from call to call, resolved once.
+    """Everything about a dispatch that stays the same from call to call: one per layer, resolved once.
 
-    A caller that dispatches repeatedly with the same settings (the Megatron manager: one per MoE layer)
-    resolves this once with :meth:`resolve` and passes it to every :func:`dispatch`; the backend choice, the
-    settings and the backend's mode checks are then not redone per call.
+    :meth:`resolve` fills every field it is not given from the process-wide settings (:mod:`megatron_deepepv2.config`)
+    where a setting of that name exists (``host_sync`` from ``no_host_sync``), else from the defaults here.
 
     Attributes:
         backend: Backend class (a registered, usable backend).
-        layout: Receive layout.
+        layout: Receive layout (direct calls default to compact; the Megatron manager uses the ``layout`` setting).
         expert_alignment: Expand layout: each expert block is padded to a multiple of this.
-        zero_padding: Expand layout: padding rows are zero-filled.
+        zero_padding: Expand layout: padding rows and their weights are zero-filled.
         num_sms: SMs for the communication kernels (0 = backend's choice).
         host_sync: Whether the dispatch may wait on the host for exact sizes.
         deterministic: Bit-exact run to run.
         num_max_tokens_per_rank: Configured token capacity, or None for the largest first batch.
-        validate: Host-side value checks agreed over the group (the ``validate`` setting).
-        check_ids: Expert-id checks without a host sync when ``validate`` is off (the ``check_ids`` setting).
-        growth_timeout_s: How long a capacity growth waits for the other ranks (the ``growth_timeout_s`` setting).
-        mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts. A caller that
-            ignores those entries (Megatron's multihot conversion does) turns it off and saves a pass.
+        validate: Host-side value checks agreed over the group.
+        check_ids: Expert-id checks when ``validate`` is off (see :mod:`megatron_deepepv2.validation`).
+        growth_timeout_s: How long a capacity growth waits for the other ranks.
+        mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts.
+        clear_tail: Without host sync: expert id -1 and weight 0 on the rows past the valid extent, and zero rows
+            past it in the gradient a combine's backward returns (a consumer may reduce over every row).
         fp8_dispatch: Quantise BF16 hidden states to e4m3 with 1x128 scales for the dispatch and hand back BF16
             rows (:mod:`megatron_deepepv2.fp8`); gradients stay BF16.
-        passed_static_checks: Not a setting: the input signatures whose static checks passed under this
-            configuration, so that they are not redone per call.
+        allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode; None: only when the group spans nodes.
     """
 
     backend: type[DispatchBackend]
@@ -108,226 +118,243 @@ class DispatchConfig:
     check_ids: bool = True
     growth_timeout_s: float = 120.0
     mask_foreign_weights: bool = True
+    clear_tail: bool = True
     fp8_dispatch: bool = False
-    #: Input signatures (types, shapes, dtypes, devices, experts, group) whose static checks passed with this
-    #: configuration: not a setting, a memo (a configuration made by replace() starts with none).
-    passed_static_checks: set = field(default_factory=set, init=False, repr=False, compare=False)
+    allow_hybrid_mode: Optional[bool] = None
+    #: Not a setting: the dispatchers bound to this configuration, per (group, experts).
+    dispatchers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __deepcopy__(self, memo: dict) -> "DispatchConfig":
-        # Immutable but for the memo, a cache that copies may share: a deep copy of a Megatron TransformerConfig
-        # that carries this configuration gets the same object (the memo holds process groups, which cannot be
-        # copied).
+        # Immutable but for the bound dispatchers, which copies may share (they hold process groups, which cannot be
+        # copied): a deep copy of a Megatron TransformerConfig that carries this configuration gets the same object.
         return self
 
     def __getstate__(self) -> dict:
-        # Pickled without the memo (its signatures hold process groups, which cannot be pickled); it starts empty.
         state = dict(self.__dict__)
-        state.pop("passed_static_checks", None)
+        state.pop("dispatchers", None)  # process groups cannot be pickled; a loaded configuration binds anew
         return state
 
     def __setstate__(self, state: dict) -> None:
         for name, value in state.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "passed_static_checks", set())
-
-    def remember_static_pass(self, signature: tuple) -> None:
-        """Records that inputs of ``signature`` passed the static checks (bounded: callers whose shapes change every
-        call, e.g. variable-length batches, start over past 256 signatures)."""
-        if len(self.passed_static_checks) >= 256:
-            self.passed_static_checks.clear()
-        self.passed_static_checks.add(signature)
+        object.__setattr__(self, "dispatchers", {})
 
     @classmethod
-    def resolve(
-        cls,
-        *,
-        backend: Optional[str] = None,
-        layout: Union[str, ExpertLayout] = ExpertLayout.COMPACT,
-        expert_alignment: int = 1,
-        zero_padding: bool = False,
-        num_max_tokens_per_rank: Optional[int] = None,
-        num_sms: Optional[int] = None,
-        host_sync: Optional[bool] = None,
-        deterministic: Optional[bool] = None,
-        mask_foreign_weights: bool = True,
-        check_ids: Optional[bool] = None,
-        fp8_dispatch: Optional[bool] = None,
-    ) -> "DispatchConfig":
-        """Resolves the arguments of :func:`dispatch` (None = the process-wide setting) into a configuration.
+    def resolve(cls, **overrides: Any) -> "DispatchConfig":
+        """Resolves a configuration: ``overrides`` (None = the setting) over the process-wide settings.
 
-        ``check_ids=False`` is for callers whose expert ids are valid by construction (the Megatron manager's come
-        from ``torch.topk``); the ``validate`` setting checks them all the same.
+        Args:
+            **overrides: Field names of this class and their values (``backend`` and ``layout`` may be names).
+
+        Returns:
+            The configuration.
 
         Raises:
+            TypeError: For a name that is not a field.
             ValueError: For an unknown backend or layout, or a mode the backend cannot run.
             ImportError: An explicitly requested backend cannot run here.
         """
+        unknown = sorted(set(overrides) - set(_FIELDS))
+        if unknown:
+            raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_FIELDS)}.")
         settings = get_settings()
-        config = cls(
-            backend=resolve_backend(backend or settings.backend),
-            layout=ExpertLayout.parse(layout),
-            expert_alignment=int(expert_alignment),
-            zero_padding=bool(zero_padding),
-            num_sms=settings.num_sms if num_sms is None else int(num_sms),
-            host_sync=not settings.no_host_sync if host_sync is None else bool(host_sync),
-            deterministic=settings.deterministic if deterministic is None else bool(deterministic),
-            num_max_tokens_per_rank=num_max_tokens_per_rank or settings.num_max_tokens_per_rank,
-            validate=settings.validate,
-            check_ids=settings.check_ids if check_ids is None else bool(check_ids),
-            growth_timeout_s=float(settings.growth_timeout_s),
-            mask_foreign_weights=bool(mask_foreign_weights),
-            fp8_dispatch=settings.fp8_dispatch if fp8_dispatch is None else bool(fp8_dispatch),
-        )
+        values = {name: getattr(settings, name) for name in _FROM_SETTINGS}
+        values["host_sync"] = not settings.no_host_sync
+        values.update((name, value) for name, value in overrides.items() if value is not None)
+        backend = values["backend"]
+        values["backend"] = backend if isinstance(backend, type) else resolve_backend(backend)
+        values["layout"] = ExpertLayout.parse(values.get("layout", ExpertLayout.COMPACT))
+        config = cls(**values)
         problem = config.backend.preflight(host_sync=config.host_sync, deterministic=config.deterministic)
         if problem is not None:
             raise problem
         return config
 
+    def dispatcher(self, group: dist.ProcessGroup, num_experts: int) -> "Dispatcher":
+        """The :class:`Dispatcher` of this configuration for ``group`` and ``num_experts`` (bound on first use)."""
+        bound = self.dispatchers.get((group, num_experts))
+        if bound is None:
+            bound = self.dispatchers[(group, num_experts)] = Dispatcher(self, group, num_experts)
+        return bound
 
-class _DispatchCall(NamedTuple):
-    """The non-differentiable arguments of one dispatch, handed to :class:`_DispatchFunction` as one object.
 
-    (Autograd's ``apply`` inspects each argument on every call: one tuple costs less than seven.)
+_FIELDS = tuple(f.name for f in dataclasses.fields(DispatchConfig) if f.init)
+#: The fields a process-wide setting of the same name fills (the layout setting is the Megatron manager's).
+_FROM_SETTINGS = tuple(name for name in _FIELDS
+                       if name in {f.name for f in dataclasses.fields(DeepepV2Settings)} and name != "layout")
+
+
+class Dispatcher:
+    """One layer's dispatches, bound once: its configuration, group, experts, leased buffer and checked inputs.
+
+    Args:
+        config: The configuration.
+        group: Expert-parallel process group.
+        num_experts: Global number of experts.
     """
 
-    scales: Optional[torch.Tensor]
-    topk_idx: torch.Tensor
-    backend: DispatchBackend
-    num_experts: int
-    config: DispatchConfig
-    async_finish: bool
-    allocate_on_comm_stream: bool
-    #: Filled by the forward with the outputs that take no gradient (received scales, received ids, handle): they
-    #: leave through here rather than as autograd outputs, which each cost a wrapping.
-    side_outputs: list
+    __slots__ = ("config", "group", "routing", "_signature", "_buffer", "_buffer_spec")
+
+    def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.config = config
+        self.group = group
+        self.routing = Routing(num_experts, config.layout, config.expert_alignment, config.zero_padding,
+                               config.host_sync)
+        #: The input signature whose static checks passed last (the checks are a function of it).
+        self._signature: Any = None
+        self._buffer: Optional[DispatchBackend] = None
+        self._buffer_spec: Optional[BufferSpec] = None
+
+    def prepare(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> DispatchBackend:
+        """Checks a dispatch's inputs (what was not checked before) and returns the buffer to dispatch on.
+
+        Raises:
+            TypeError, ValueError: Bad input, raised before any communication (with ``validate``, on every rank of
+                the group; else on the rank that has it, and the others' communication then fails with a
+                RuntimeError naming it, see :mod:`megatron_deepepv2.validation`).
+            RuntimeError: A host-sync dispatch inside CUDA-graph capture.
+        """
+        config, group = self.config, self.group
+        _dist.count_call(group)
+        data = x[0] if type(x) is tuple else x
+        try:
+            signature = (data.shape, data.dtype, data.device, topk_idx.shape, topk_idx.dtype, topk_idx.device,
+                         None if topk_weights is None else (topk_weights.shape, topk_weights.dtype))
+        except AttributeError:  # not tensors: the static checks say what is wrong
+            signature = None
+        problem = None
+        if signature is None or signature != self._signature or config.validate:
+            problem = validation.check_dispatch_inputs(
+                x, topk_idx, topk_weights, num_experts=self.routing.num_experts, group_size=_dist.group_size(group),
+                limits=config.backend.limits, layout=config.layout, expert_alignment=config.expert_alignment,
+                zero_padding=config.zero_padding, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+                check_values=config.validate)
+            if problem is None and config.fp8_dispatch:
+                problem = fp8.fp8_dispatch_problem(x)
+            if problem is None and signature != self._signature:
+                self._signature, self._buffer, self._buffer_spec = signature, None, None
+        on_cuda = problem is None and topk_idx.is_cuda
+        if config.host_sync and on_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "deepepv2 dispatch with host sync inside CUDA-graph capture: the dispatch waits on the host for sizes "
+                "that captured kernels never produce (DeepEP would spin until its CPU timeout). Capture dispatches "
+                "without host sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers.")
+        num_experts = self.routing.num_experts
+        if problem is None and config.check_ids and not config.validate:
+            if not config.host_sync:  # nothing may read the device: a device-side assert (CPU: tensor ops)
+                validation.assert_expert_ids_on_device(topk_idx, num_experts, group)
+            elif on_cuda:  # the dispatch waits on the host anyway: one 4-byte read, a ValueError naming the token
+                problem = validation.check_expert_ids_with_flag(topk_idx, num_experts)
+            else:  # host tensors: read them
+                problem = validation.check_expert_ids(topk_idx, num_experts)
+        num_tokens = topk_idx.shape[0] if problem is None else 0
+        if config.validate:  # every rank sends the same fields; one with a problem sends zeros
+            alike = dict(zip(validation.DISPATCH_ALIKE, (validation.dtype_code(data.dtype), data.shape[1],
+                                                         topk_idx.shape[1], int(type(x) is tuple or config.fp8_dispatch))
+                             if problem is None else (0, 0, 0, 0)))
+            num_tokens = validation.raise_on_every_rank(problem, group, agree=True, num_tokens=num_tokens, alike=alike)
+        elif problem is not None:
+            validation.raise_on_every_rank(problem, group, agree=False)
+        buffer = self._buffer
+        if buffer is None or buffer.retired or num_tokens > buffer.spec.num_max_tokens_per_rank:
+            if self._buffer_spec is None:
+                self._buffer_spec = BufferSpec(data.shape[1], topk_idx.shape[1], type(x) is tuple or config.fp8_dispatch,
+                                               0, config.deterministic, config.num_sms, config.allow_hybrid_mode)
+            try:
+                buffer = self._buffer = buffers.get_buffer(
+                    config.backend, group, self._buffer_spec, num_tokens,
+                    configured_capacity=config.num_max_tokens_per_rank, growth_timeout_s=config.growth_timeout_s)
+            except Exception as error:
+                raise peer_failure(error, group) from error
+        return buffer
+
+    def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 streams: Streams) -> DispatchResult:
+        """:func:`dispatch` on this binding (see there)."""
+        buffer = self.prepare(x, topk_idx, topk_weights)
+        data, scales = x if type(x) is tuple else (x, None)
+        side: list = []
+        try:
+            recv_x, recv_weights = DispatchFunction.apply(data, topk_weights, (self, buffer, topk_idx, scales, streams, side))
+        except Exception as error:
+            raise peer_failure(error, self.group) from error
+        recv_scales, recv_idx, handle = side
+        return DispatchResult(recv_x if scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
 
 
-class _DispatchFunction(torch.autograd.Function):
-    """Autograd dispatch; see the module docstring."""
+class DispatchFunction(torch.autograd.Function):
+    """Autograd dispatch; see the module docstring. Its non-differentiable inputs come as one tuple (autograd's
+    ``apply`` inspects each argument), and the outputs that take no gradient (received scales and ids, the handle)
+    leave through the tuple's list rather than as autograd outputs, which each cost a wrapping."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: _DispatchCall):  # type: ignore[override]
-        backend, config = call.backend, call.config
-        if config.fp8_dispatch:  # quantised here, so that the backward is the BF16 one (straight through for x)
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor], call: tuple):  # type: ignore[override]
+        dispatcher, buffer, topk_idx, scales, streams, side = call
+        config, routing = dispatcher.config, dispatcher.routing
+        if config.fp8_dispatch:
             data = fp8.quantize_e4m3_1x128(x)
         else:
-            data = x if call.scales is None else (x, call.scales)
-        out = backend.dispatch(
-            data,
-            call.topk_idx,
-            topk_weights,
-            num_experts=call.num_experts,
-            layout=config.layout,
-            expert_alignment=config.expert_alignment,
-            zero_padding=config.zero_padding,
-            async_finish=call.async_finish,
-            allocate_on_comm_stream=call.allocate_on_comm_stream,
-            # DeepEP accepts a previous event only together with allocate_on_comm_stream.
-            previous_event=backend.capture_event() if call.allocate_on_comm_stream else None,
-            host_sync=config.host_sync,
-        )
-        if call.async_finish:  # else the backend returned a completed event (the contract): nothing to wait for
-            out.event.wait()
+            data = x if scales is None else (x, scales)
+        recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, routing, streams)
+        handle.config = config
+        buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
+        recv_scales = None
         if config.fp8_dispatch:
-            recv_x, recv_scales = fp8.dequantize_e4m3_1x128(
-                *out.recv_x, dtype=x.dtype, num_valid_rows=None if config.host_sync else out.handle.num_valid_rows), None
-        elif call.scales is None:
-            recv_x, recv_scales = out.recv_x, None
-        else:
-            recv_x, recv_scales = out.recv_x
+            recv_x = fp8.dequantize_e4m3_1x128(
+                *recv_x, dtype=x.dtype, num_valid_rows=None if routing.host_sync else handle.num_valid_rows)
+        elif scales is not None:
+            recv_x, recv_scales = recv_x
             ctx.mark_non_differentiable(recv_x)
-        recv_idx, recv_weights = out.recv_topk_idx, out.recv_topk_weights
-        if recv_weights is not None and recv_idx is not None and config.mask_foreign_weights:
+        if config.clear_tail and not routing.host_sync and (recv_idx is not None or recv_weights is not None):
+            past = rows_past_valid(handle.num_recv_rows, handle.num_valid_rows)
+            if recv_idx is not None:
+                recv_idx = recv_idx.masked_fill(past.unsqueeze(1), -1)
+            if recv_weights is not None:
+                recv_weights = recv_weights.masked_fill(past if recv_weights.dim() == 1 else past.unsqueeze(1), 0.0)
+        if config.mask_foreign_weights and recv_weights is not None and recv_idx is not None:
             recv_weights = recv_weights.masked_fill(recv_idx < 0, 0.0)
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
-        # What the backward needs, and no more (keeping ``call`` would keep its ids and scales alive until then).
-        ctx.handle = out.handle
-        ctx.streams = (call.async_finish, call.allocate_on_comm_stream)
-        ctx.device = call.topk_idx.device
-        call.side_outputs.extend((recv_scales, recv_idx, out.handle))
+        ctx.handle, ctx.streams, ctx.hidden = handle, streams, x.shape[1]
+        side.extend((recv_scales, recv_idx, handle))
         return recv_x, recv_weights
 
     @staticmethod
-    def backward(ctx: Any, grad_recv_x, grad_recv_weights):
+    def backward(ctx: Any, grad_recv_x: Optional[torch.Tensor], grad_recv_weights: Optional[torch.Tensor]):
         handle: DispatchHandle = ctx.handle
-        backend = handle.backend
-        async_finish, allocate_on_comm_stream = ctx.streams
+        rows = handle.num_recv_rows
         if grad_recv_x is None:
-            grad_recv_x = torch.zeros(
-                (handle.num_recv_rows, backend.spec.hidden), dtype=torch.bfloat16, device=ctx.device
-            )
-        # Materialise every communication input before the event is captured.
-        grad_recv_x = grad_recv_x.contiguous()
+            # Only the weights want a gradient here (else backward would not run): its device is theirs.
+            grad_recv_x = torch.zeros((rows, ctx.hidden), dtype=torch.bfloat16, device=grad_recv_weights.device)
         grad_weights = None
         if ctx.needs_input_grad[1]:  # weights were dispatched and want a gradient
             if grad_recv_weights is None:
-                shape = (handle.num_recv_rows,) if handle.layout is ExpertLayout.EXPAND else (
-                    handle.num_recv_rows, handle.num_topk)
+                shape = (rows,) if handle.routing.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
                 grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
-            grad_weights = grad_recv_weights.float().contiguous()
-        out = backend.combine(
-            grad_recv_x,
-            handle,
-            grad_weights,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            previous_event=backend.capture_event() if allocate_on_comm_stream else None,
-        )
-        if async_finish:
-            out.event.wait()
-        return out.x, out.topk_weights, None
+            grad_weights = grad_recv_weights.float().contiguous()  # before the backend captures its event
+        grad_x, grad_topk_weights = handle.backend.combine(grad_recv_x.contiguous(), handle, grad_weights, ctx.streams)
+        return grad_x, grad_topk_weights, None
 
 
-def _apply_dispatch(
-    buffer: DispatchBackend,
-    data: torch.Tensor,
-    scales: Optional[torch.Tensor],
-    topk_idx: torch.Tensor,
-    topk_weights: Optional[torch.Tensor],
-    num_experts: int,
-    config: DispatchConfig,
-    streams: tuple[bool, bool],
-) -> tuple[Any, ...]:
-    """Runs :class:`_DispatchFunction` on ``buffer`` with checked inputs.
-
-    Returns:
-        ``(recv_x, recv_weights, recv_scales, recv_idx, handle)``.
-    """
-    call = _DispatchCall(scales, topk_idx, buffer, num_experts, config, *streams, [])
-    recv_x, recv_weights = _DispatchFunction.apply(data, topk_weights, call)
-    return (recv_x, recv_weights, *call.side_outputs)
-
-
-class _CombineFunction(torch.autograd.Function):
+class CombineFunction(torch.autograd.Function):
     """Autograd combine; see the module docstring."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: tuple[bool, bool]):  # type: ignore[override]
-        backend = handle.backend
-        async_finish, allocate_on_comm_stream = streams
-        out = backend.combine(
-            x, handle, None, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-            previous_event=backend.capture_event() if allocate_on_comm_stream else None,
-        )
-        if async_finish:
-            out.event.wait()
-        ctx.handle = handle
-        ctx.streams = streams
-        return out.x
+    def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: Streams):  # type: ignore[override]
+        ctx.handle, ctx.streams = handle, streams
+        return handle.backend.combine(x, handle, None, streams).x
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
-        backend = handle.backend
-        async_finish, allocate_on_comm_stream = ctx.streams
-        grad_out = grad_out.contiguous()  # before the event capture
-        out = backend.cached_dispatch(
-            grad_out, handle, None, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-            previous_event=backend.capture_event() if allocate_on_comm_stream else None,
-        )
-        if async_finish:
-            out.event.wait()
-        return out.recv_x, None, None
+        grad = handle.backend.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
+        if not handle.routing.host_sync and (handle.config is None or handle.config.clear_tail):
+            # The rows past the valid extent are unspecified: zero them for a consumer that reduces over every row,
+            # writing only those rows (a masked fill would read and write the whole worst-case buffer).
+            if expert_kernels.AVAILABLE and grad.is_cuda:
+                expert_kernels.zero_rows_from(grad, handle.num_valid_rows)
+            else:
+                grad = grad.masked_fill(rows_past_valid(grad.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
+        return grad, None, None
 
 
 def dispatch(
@@ -337,18 +364,10 @@ def dispatch(
     num_experts: int,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    layout: Union[str, ExpertLayout] = ExpertLayout.COMPACT,
-    expert_alignment: int = 1,
-    zero_padding: bool = False,
-    backend: Optional[str] = None,
-    num_max_tokens_per_rank: Optional[int] = None,
-    num_sms: Optional[int] = None,
+    config: Optional[DispatchConfig] = None,
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
-    host_sync: Optional[bool] = None,
-    deterministic: Optional[bool] = None,
-    fp8_dispatch: Optional[bool] = None,
-    config: Optional[DispatchConfig] = None,
+    **settings: Any,
 ) -> DispatchResult:
     """Sends tokens to the ranks of their experts (differentiable in ``x`` and ``topk_weights``).
 
@@ -358,137 +377,41 @@ def dispatch(
         topk_weights: ``[T, K]`` floating routing weights (cast to fp32), or None.
         num_experts: Global number of experts, a multiple of the group size.
         group: Expert-parallel process group (default: the world).
-        layout: ``"compact"`` or ``"expand"``.
-        expert_alignment: Expand layout: pad each expert's block to a multiple of this.
-        zero_padding: Expand layout: zero-fill padding rows.
-        backend: ``"auto"``, ``"deepep"`` or ``"reference"`` (default: the ``backend`` setting).
-        num_max_tokens_per_rank: Token capacity, the same on every rank (default: the setting, else the
-            largest first batch). A batch larger than an explicit value raises.
-        num_sms: SMs for the communication kernels (default: the ``num_sms`` setting; 0 = backend's choice).
-        async_finish: Let communication finish asynchronously (the op still orders the current stream
-            after it before returning, as Megatron's fused ops do).
-        allocate_on_comm_stream: Allocate outputs on the communication stream (DeepEP).
-        host_sync: Let the dispatch wait on the host for exact output sizes (default: on unless the
-            ``no_host_sync`` setting is set). False: worst-case sizes from the buffer capacity, valid rows
-            first, counts on the device, no device-to-host copy in forward or backward (CUDA-graph
-            capturable once the buffer exists). Rows past ``handle.num_valid_rows`` have expert id -1
+        config: A configuration from :meth:`DispatchConfig.resolve`: what repeated callers pass, so nothing is
+            resolved per call. Without it, ``settings`` are resolved (once per distinct value).
+        async_finish: Let communication finish asynchronously (the op still orders the current stream after it
+            before returning, as Megatron's fused ops do).
+        allocate_on_comm_stream: Allocate outputs on the communication stream (DeepEP, with ``async_finish``).
+        **settings: Fields of :class:`DispatchConfig` (``layout="expand"``, ``expert_alignment``, ``zero_padding``,
+            ``backend``, ``num_max_tokens_per_rank``, ``num_sms``, ``host_sync``, ``deterministic``, ``fp8_dispatch``,
+            ...; unset ones come from the process-wide settings). ``host_sync=False``: worst-case sizes from the
+            buffer capacity, valid rows first, counts on the device, no device-to-host copy in forward or backward
+            (CUDA-graph capturable once the buffer exists); rows past ``handle.num_valid_rows`` have expert id -1
             and weight 0.
-        deterministic: Bit-exact run to run (default: the ``deterministic`` setting); the buffer is rebuilt
-            when this changes.
-        fp8_dispatch: Send BF16 ``x`` as e4m3 with 1x128 scales and receive BF16 rows (default: the
-            ``fp8_dispatch`` setting); differentiable as without it (:mod:`megatron_deepepv2.fp8`).
-        config: A configuration from :meth:`DispatchConfig.resolve` to use instead of ``layout`` ...
-            ``deterministic`` (leave those at their defaults): what repeated callers pass, so nothing is
-            resolved per call.
 
     Returns:
-        The received rows, routing, tokens per local expert and the handle.
+        The received rows, routing and the handle.
 
     Raises:
-        TypeError, ValueError: Bad input, raised before any communication (with the ``validate``
-            setting on, on every rank of the group; else on the rank that has it, and the others' communication
-            then fails with a RuntimeError naming it, see :mod:`megatron_deepepv2.validation`).
+        TypeError, ValueError: Bad input or settings, raised before any communication (with the ``validate``
+            setting on, on every rank of the group; see :mod:`megatron_deepepv2.validation`).
         ImportError: An explicitly requested backend cannot run here.
     """
-    arguments = (backend, layout, expert_alignment, zero_padding, num_max_tokens_per_rank, num_sms, host_sync,
-                 deterministic, fp8_dispatch)
     if config is None:
-        config = _config_for_arguments(arguments)
-    elif arguments != _CONFIG_ARGUMENT_DEFAULTS:
-        raise TypeError("dispatch() takes either config= or the settings it resolves (layout, expert_alignment, "
-                        "zero_padding, backend, num_max_tokens_per_rank, num_sms, host_sync, deterministic, "
-                        "fp8_dispatch), not both.")
-    group = group if group is not None else dist.group.WORLD
-    _dist.count_call(group)
-    if topk_weights is not None and isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
+        config = _config_for(settings)
+    elif settings:
+        raise TypeError(f"dispatch() takes either config= or the settings it resolves ({sorted(settings)}), not both.")
+    if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
         topk_weights = topk_weights.float().contiguous()
     if isinstance(x, torch.Tensor):
         x = x.contiguous()
-    # Reading ids costs nothing on CPU tensors, so there the default id check is the host check naming the token --
-    # except without host sync, which promises no host read of device data, CPU or not. On CUDA the check is a
-    # kernel: with host sync its flag is read on the host (a ValueError, as on CPU), without it a device assert.
-    host_id_check = config.validate or (config.check_ids and config.host_sync and isinstance(topk_idx, torch.Tensor)
-                                        and not topk_idx.is_cuda)
-    device_id_check = config.check_ids and not host_id_check
-    if config.host_sync and isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda \
-            and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "deepepv2 dispatch with host sync inside CUDA-graph capture: the dispatch waits on the host for sizes "
-            "that captured kernels never produce (DeepEP would spin until its CPU timeout). Capture dispatches "
-            "without host sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers."
-        )
-    # The static checks depend on the inputs' types, shapes, dtypes and devices only: a signature that passed once
-    # passes again (plain tensors only; anything else is checked in full every call).
-    signature = None
-    if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and (
-            topk_weights is None or type(topk_weights) is torch.Tensor):
-        signature = (x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_idx.device, num_experts, group,
-                     None if topk_weights is None else (topk_weights.shape, topk_weights.dtype, topk_weights.device))
-    if signature is not None and signature in config.passed_static_checks:
-        problem = validation.check_expert_ids(topk_idx, num_experts) if host_id_check else None
-    else:
-        problem = validation.check_dispatch_inputs(
-            x,
-            topk_idx,
-            topk_weights,
-            num_experts=num_experts,
-            group_size=group_size(group),
-            limits=config.backend.limits,
-            layout=config.layout,
-            expert_alignment=config.expert_alignment,
-            zero_padding=config.zero_padding,
-            num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-            check_values=host_id_check,
-        )
-        if problem is None and config.fp8_dispatch:
-            problem = fp8.fp8_dispatch_problem(x)
-        if problem is None and signature is not None:
-            config.remember_static_pass(signature)
-    if problem is None and device_id_check and config.host_sync:
-        problem = validation.check_expert_ids_with_flag(topk_idx, num_experts)
-    if problem is None and not config.validate:
-        max_tokens = topk_idx.shape[0]  # the common case: nothing to raise, nothing to agree on
-    else:
-        num_tokens = topk_idx.shape[0] if problem is None else 0
-        alike = None
-        if config.validate:  # every rank sends the same fields; one with a problem sends zeros
-            data = x[0] if isinstance(x, tuple) else x
-            alike = dict(zip(validation.DISPATCH_ALIKE, (validation.dtype_code(data.dtype), data.shape[1],
-                                                         topk_idx.shape[1], int(isinstance(x, tuple) or config.fp8_dispatch))
-                             if problem is None else (0, 0, 0, 0)))
-        max_tokens = validation.raise_on_every_rank(problem, group, agree=config.validate, num_tokens=num_tokens,
-                                                    alike=alike)
-    topk_idx = topk_idx.contiguous()
-    if device_id_check and not config.host_sync:
-        validation.assert_expert_ids_on_device(topk_idx, num_experts, group)
-
-    data, scales = x if isinstance(x, tuple) else (x, None)
-    try:
-        buffer = buffers.get_buffer(
-            config.backend,
-            group,
-            hidden=data.shape[1],
-            num_topk=topk_idx.shape[1],
-            use_fp8=scales is not None or config.fp8_dispatch,
-            num_tokens=max_tokens,
-            configured_capacity=config.num_max_tokens_per_rank,
-            deterministic=config.deterministic,
-            num_sms=config.num_sms,
-            growth_timeout_s=config.growth_timeout_s,
-            host_sync=config.host_sync,
-        )
-        recv_x, recv_weights, recv_scales, recv_idx, handle = _apply_dispatch(
-            buffer, data, scales, topk_idx, topk_weights, num_experts, config, (async_finish, allocate_on_comm_stream))
-    except Exception as error:
-        raise _with_peer_failures(error, group) from error
-    handle.validate = config.validate  # combine agrees on its errors as the dispatch did
-    buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
-    if scales is not None:
-        recv_x = (recv_x, recv_scales)
-    return DispatchResult(recv_x, recv_idx, recv_weights, handle)
+    if isinstance(topk_idx, torch.Tensor):
+        topk_idx = topk_idx.contiguous()
+    bound = config.dispatcher(group if group is not None else dist.group.WORLD, num_experts)
+    return bound.dispatch(x, topk_idx, topk_weights, STREAMS[bool(async_finish), bool(allocate_on_comm_stream)])
 
 
-def _with_peer_failures(error: Exception, group: dist.ProcessGroup) -> Exception:
+def peer_failure(error: Exception, group: dist.ProcessGroup) -> Exception:
     """``error``, or one naming the peers that announced a failure first (the likely cause of ``error``)."""
     failures = _dist.announced_failures(group)
     if not failures:
@@ -499,39 +422,26 @@ def _with_peer_failures(error: Exception, group: dist.ProcessGroup) -> Exception
                         f"{error}")
 
 
-#: The arguments of dispatch() that a DispatchConfig replaces, in the order dispatch() packs them, and their defaults
-#: (read from its signature, so that they cannot drift from it).
-_ARGUMENT_NAMES = ("backend", "layout", "expert_alignment", "zero_padding", "num_max_tokens_per_rank", "num_sms",
-                   "host_sync", "deterministic", "fp8_dispatch")
-_CONFIG_ARGUMENT_DEFAULTS = tuple(inspect.signature(dispatch).parameters[name].default for name in _ARGUMENT_NAMES)
-#: Configurations resolved for dispatch() calls without ``config=``, per argument tuple, under the settings object
-#: they were resolved with (configure() replaces that object, which empties the cache).
-_resolved_configs: dict[tuple, DispatchConfig] = {}
+#: Configurations resolved for dispatch() calls without ``config=``, per settings, under the settings object they
+#: were resolved with (configure() replaces that object, which empties the cache).
+_resolved: dict[frozenset, DispatchConfig] = {}
 _resolved_under: list = [None]
 
 
-def _config_for_arguments(arguments: tuple) -> DispatchConfig:
-    """:meth:`DispatchConfig.resolve` of dispatch()'s arguments, resolved once per distinct arguments and settings.
-
-    The resolution is a function of the arguments, the process-wide settings and the backend registry (whose names,
-    once registered, never change class), so a caller that passes the same arguments each step gets the same
-    configuration without redoing it.
-    """
-    settings = get_settings()
-    if _resolved_under[0] is not settings:
-        _resolved_configs.clear()
-        _resolved_under[0] = settings
+def _config_for(settings: dict[str, Any]) -> DispatchConfig:
+    """:meth:`DispatchConfig.resolve` of ``settings``, resolved once per distinct settings and process settings."""
+    if _resolved_under[0] is not get_settings():
+        _resolved.clear()
+        _resolved_under[0] = get_settings()
     try:
-        config = _resolved_configs.get(arguments)
-        hashable = True
-    except TypeError:  # an unhashable argument: resolve it uncached (and let resolve say what is wrong with it)
-        config, hashable = None, False
+        key = frozenset(settings.items())
+    except TypeError:  # an unhashable value: resolve it uncached (and let resolve say what is wrong with it)
+        return DispatchConfig.resolve(**settings)
+    config = _resolved.get(key)
     if config is None:
-        config = DispatchConfig.resolve(**dict(zip(_ARGUMENT_NAMES, arguments)))
-        if hashable:
-            if len(_resolved_configs) >= 64:  # callers with ever-changing arguments: keep the cache bounded
-                _resolved_configs.clear()
-            _resolved_configs[arguments] = config
+        if len(_resolved) >= 64:  # callers with ever-changing arguments: keep the cache bounded
+            _resolved.clear()
+        config = _resolved[key] = DispatchConfig.resolve(**settings)
     return config
 
 
@@ -555,16 +465,17 @@ def combine(
         ``[T, H]`` combined rows in ``x``'s dtype.
 
     Raises:
-        TypeError, ValueError: If ``x`` does not fit ``handle`` or the backend.
+        TypeError, ValueError: If ``x`` does not fit ``handle`` or the backend (with ``validate``, on every rank).
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
-    _dist.count_call(handle.backend.group)
-    # The backend's mode checks ran when the dispatch's configuration was resolved.
+    group = handle.backend.group
+    _dist.count_call(group)
+    validate = handle.config is not None and handle.config.validate
     problem = validation.check_combine_inputs(x, handle, None)
-    if problem is not None or handle.validate:
-        validation.raise_on_every_rank(problem, handle.backend.group, agree=handle.validate)
+    if problem is not None or validate:
+        validation.raise_on_every_rank(problem, group, agree=validate)
     try:
-        return _CombineFunction.apply(x.contiguous(), handle, (async_finish, allocate_on_comm_stream))
+        return CombineFunction.apply(x.contiguous(), handle, STREAMS[bool(async_finish), bool(allocate_on_comm_stream)])
     except Exception as error:
-        raise _with_peer_failures(error, handle.backend.group) from error
+        raise peer_failure(error, group) from error

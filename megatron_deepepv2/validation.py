@@ -430,7 +430,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 def _describe(field: str, value: int) -> str:
     if field == "dtype":
         return str(_DTYPE_CODES[value - 1]).removeprefix("torch.") if 0 < value <= len(_DTYPE_CODES) else "another"
-    if field == "FP8":
+    if field in ("FP8", "deterministic"):
         return "yes" if value else "no"
     return str(value)
 
@@ -496,7 +496,7 @@ def raise_on_every_rank(
             for r in range(world))
         raise ValueError(
             f"The ranks of the expert-parallel group dispatch inputs whose {', '.join(differing)} differ ({described}). "
-            "Every rank must pass the same dtype, hidden size, top-k and FP8-ness: they fix the layout of the "
-            "exchange. Give every rank the same model configuration."
+            "Every rank must dispatch the same dtype, hidden size, top-k and FP8-ness with the same determinism and "
+            "SM count: they fix the layout of the exchange. Give every rank the same model configuration and settings."
         )
     return agreed[world]

@@ -15,23 +15,20 @@ import logging
 from typing import Optional
 
 from megatron_deepepv2.backends.base import (
+    SYNC,
     BackendLimits,
     BufferSpec,
     CombineOutput,
-    CommEvent,
-    CompletedEvent,
     DispatchBackend,
     DispatchHandle,
     DispatchOutput,
-    ExpertLayout,
-    HiddenStates,
-    align_up,
-    rows_past_valid,
+    Routing,
+    Streams,
     uninitialized_memory_fill_off,
-    worst_case_recv_rows,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
 from megatron_deepepv2.backends.reference import ReferenceBackend
+from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, rows_past_valid, worst_case_recv_rows
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +93,10 @@ register_backend(DeepEPBackend)
 
 __all__ = [
     "AUTO",
+    "SYNC",
     "BackendLimits",
     "BufferSpec",
     "CombineOutput",
-    "CommEvent",
-    "CompletedEvent",
     "DeepEPBackend",
     "DispatchBackend",
     "DispatchHandle",
@@ -108,6 +104,8 @@ __all__ = [
     "ExpertLayout",
     "HiddenStates",
     "ReferenceBackend",
+    "Routing",
+    "Streams",
     "backend_names",
     "register_backend",
     "resolve_backend",

@@ -32,26 +32,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_deepepv2._dist import all_reduce_max
 from megatron_deepepv2.backends.base import (
+    SYNC,
     BackendLimits,
     BufferSpec,
     CombineOutput,
-    CompletedEvent,
     DispatchBackend,
     DispatchHandle,
     DispatchOutput,
-    ExpertLayout,
-    HiddenStates,
-    align_up,
-    rows_past_valid,
-    worst_case_recv_rows,
+    Routing,
+    Streams,
 )
+from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, rows_past_valid, worst_case_recv_rows
 
 
 @dataclass(eq=False)
@@ -382,21 +380,9 @@ class ReferenceBackend(DispatchBackend):
     # ------------------------------------------------------------------------------------------
     # Contract
     # ------------------------------------------------------------------------------------------
-    def dispatch(
-        self,
-        x: HiddenStates,
-        topk_idx: torch.Tensor,
-        topk_weights: Optional[torch.Tensor],
-        *,
-        num_experts: int,
-        layout: ExpertLayout = ExpertLayout.COMPACT,
-        expert_alignment: int = 1,
-        zero_padding: bool = False,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-        previous_event: Optional[Any] = None,
-        host_sync: bool = True,
-    ) -> DispatchOutput:
+    def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                 routing: Routing, streams: Streams = SYNC) -> DispatchOutput:
+        num_experts, layout, expert_alignment, _, host_sync = routing  # padding rows are always zero here
         is_fp8 = isinstance(x, tuple)
         data = list(x) if is_fp8 else [x]
         num_tokens = topk_idx.shape[0]
@@ -446,21 +432,10 @@ class ReferenceBackend(DispatchBackend):
             tokens_per_expert_list = tokens_per_expert.tolist() if host_sync else None
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
-        handle = DispatchHandle(
-            backend=self,
-            layout=layout,
-            num_experts=num_experts,
-            expert_alignment=expert_alignment,
-            num_tokens=num_tokens,
-            num_topk=topk_idx.shape[1],
-            num_recv_rows=num_recv_rows,
-            tokens_per_expert_list=tokens_per_expert_list,
-            host_sync=host_sync,
-            native=plan,
-            # Computed anyway: the routing plan and the host list are built from them.
-            device_counts=lambda: (tokens_per_expert, num_valid_rows),
-        )
-        return DispatchOutput(recv_x, out_idx, recv_weights, handle, CompletedEvent())
+        # The counts are computed anyway: the routing plan and the host list are built from them.
+        handle = DispatchHandle(self, routing, plan, num_tokens, topk_idx.shape[1], num_recv_rows,
+                                device_counts=(tokens_per_expert, num_valid_rows), host_counts=tokens_per_expert_list)
+        return DispatchOutput(recv_x, out_idx, recv_weights, handle)
 
     def _send_exact(
         self, payload: list[torch.Tensor], send_counts: torch.Tensor
@@ -502,16 +477,8 @@ class ReferenceBackend(DispatchBackend):
         )
         return transport, _unpack(transport.to_output_order(received)[:, 1:], payload), num_used
 
-    def cached_dispatch(
-        self,
-        x: HiddenStates,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor] = None,
-        *,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-        previous_event: Optional[Any] = None,
-    ) -> DispatchOutput:
+    def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                        streams: Streams = SYNC) -> DispatchOutput:
         plan: _RoutingPlan = handle.native
         is_fp8 = isinstance(x, tuple)
         data = list(x) if is_fp8 else [x]
@@ -527,18 +494,10 @@ class ReferenceBackend(DispatchBackend):
             out_idx = None
         else:
             out_idx = plan.recv_local_idx
-        return DispatchOutput(recv_x, out_idx, recv_weights, handle, CompletedEvent())
+        return DispatchOutput(recv_x, out_idx, recv_weights, handle)
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor] = None,
-        *,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-        previous_event: Optional[Any] = None,
-    ) -> CombineOutput:
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                streams: Streams = SYNC) -> CombineOutput:
         plan: _RoutingPlan = handle.native
         # DeepEP accumulates in FP32 (BF16 in, one cast out); FP64 inputs keep FP64.
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -565,4 +524,10 @@ class ReferenceBackend(DispatchBackend):
             weight_rows = _append_zero_row(returned[1])
             slots = torch.arange(handle.num_topk, device=x.device)
             combined_weights = weight_rows[plan.owner_rows, slots]
-        return CombineOutput(combined, combined_weights, CompletedEvent())
+        return CombineOutput(combined, combined_weights)
+
+    def device_counts(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        return handle._device_counts  # set by the dispatch
+
+    def host_counts(self, handle: DispatchHandle) -> list[int]:
+        return handle._host_counts  # set by the dispatch

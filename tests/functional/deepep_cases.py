@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import megatron_deepepv2 as dv2  # noqa: E402
-from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend  # noqa: E402
+from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend, Routing  # noqa: E402
 from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
 from tools.bench import time_op  # noqa: E402
 
@@ -95,10 +95,9 @@ def layouts_match_reference() -> None:
                     if fp8:
                         scales = torch.rand(x.shape[0], hidden // 128, device="cuda") + 0.5
                         data = ((x.float() / 4).to(torch.float8_e4m3fn), scales)
-                    kwargs = dict(num_experts=experts, layout=layout, expert_alignment=alignment,
-                                  zero_padding=layout is ExpertLayout.EXPAND)
-                    got = deepep.dispatch(data, idx, w, **kwargs)
-                    want = reference.dispatch(data, idx, w, **kwargs)
+                    routing = Routing(experts, layout, alignment, zero_padding=layout is ExpertLayout.EXPAND)
+                    got = deepep.dispatch(data, idx, w, routing)
+                    want = reference.dispatch(data, idx, w, routing)
                     tag = f"{layout.value}/align{alignment}/fp8={fp8}"
                     if fp8:
                         exact(f"{tag} recv_x_fp8", got.recv_x[0], want.recv_x[0])
@@ -135,8 +134,8 @@ def nondeterministic_mode_matches_after_canonical_sort() -> None:
     deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
     try:
         x, idx, w = make_routing(tokens_for_rank(world, 500), hidden, experts, topk, seed=11 + RANK)
-        got = deepep.dispatch(x, idx, w, num_experts=experts)
-        want = reference.dispatch(x, idx, w, num_experts=experts)
+        got = deepep.dispatch(x, idx, w, Routing(experts))
+        want = reference.dispatch(x, idx, w, Routing(experts))
         order_got = got.handle.native.recv_src_metadata[:, 0].long().argsort()
         order_want = want.handle.native.recv_src_index.argsort()
         exact("sorted recv_x", got.recv_x[order_got], want.recv_x[order_want])

@@ -44,10 +44,12 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     fourth = _dispatch(9 + rank * 10, hidden=16, topk=3).handle.backend
     assert fourth.spec.num_max_tokens_per_rank == 32 and stats.rebuilds_for_capacity == 1
     assert buffers.active_buffers() == [first, second, fourth]
-    # The superseded buffer waits for its handles (none here: the dispatch's result is gone), then the next
-    # dispatch on the group releases it on every rank.
+    # The superseded buffer is kept while handles use it (none here: the dispatch's result is gone); no dispatch
+    # releases it (nothing runs per call for retired buffers), the next build on the group does, on every rank.
     assert buffers.retired_buffers() == [third]
     _dispatch(1, hidden=8)
+    assert buffers.retired_buffers() == [third] and stats.released == 0
+    _dispatch(1, hidden=32)
     assert buffers.retired_buffers() == [] and stats.released == 1
     dv2.destroy_buffers()
     assert buffers.active_buffers() == []
@@ -78,7 +80,7 @@ def _configured_capacity_worker(rank: int, world: int) -> None:
 
 def test_buffer_reused_rebuilt_grown_and_destroyed() -> None:
     results = run_distributed(_lifecycle_worker, 2)
-    assert results == [{"builds": 4}, {"builds": 4}]
+    assert results == [{"builds": 5}, {"builds": 5}]
 
 
 def test_growth_with_one_rank_exceeding_under_validation() -> None:

@@ -266,11 +266,11 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
 
-    from megatron_deepepv2.backends import deepep as adapter
+    from megatron_deepepv2.backends import Routing, Streams
 
     derived = []  # one entry per derivation of device counts from DeepEP's prefix sums
-    count_from_psum = adapter.aligned_counts_from_psum
-    adapter.aligned_counts_from_psum = lambda *a, **k: derived.append(1) or count_from_psum(*a, **k)
+    count_from_psum = DeepEPBackend.device_counts
+    DeepEPBackend.device_counts = lambda self, handle: derived.append(1) or count_from_psum(self, handle)
     spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=32, num_sms=23)
     sms = 24 if line == "V2.5" else 23  # V2.5 runs an even count; the backend rounds it itself
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
@@ -280,42 +280,51 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
     for layout, host_sync in [(layout, sync) for layout in ExpertLayout for sync in (True, False)]:
-        kwargs = dict(num_experts=8, layout=layout, expert_alignment=4, zero_padding=layout is ExpertLayout.EXPAND,
-                      host_sync=host_sync)
+        routing = Routing(8, layout, 4, layout is ExpertLayout.EXPAND, host_sync)
         derived.clear()
-        got, want = backend.dispatch(x, idx, w, **kwargs), reference.dispatch(x, idx, w, **kwargs)
+        got, want = backend.dispatch(x, idx, w, routing), reference.dispatch(x, idx, w, routing)
         assert torch.equal(got.recv_x, want.recv_x)
         assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list
-        # With host sync the device counts are derived only when asked for (callers use the host list).
-        assert len(derived) == (0 if host_sync else 1), (host_sync, len(derived))
+        # The device counts are derived only when asked for (host-sync callers use the host list), and once.
+        assert not derived
         assert torch.equal(got.handle.tokens_per_expert, want.handle.tokens_per_expert)
         assert len(derived) == 1
-        assert int(got.handle.num_valid_rows) == int(want.handle.num_valid_rows)
+        valid = int(want.handle.num_valid_rows)
+        assert int(got.handle.num_valid_rows) == valid and len(derived) == 1
         assert got.handle.num_recv_rows == want.recv_x.shape[0]
-        # Rows past the valid extent: expert id -1 and weight 0, whatever DeepEP left there.
-        assert torch.equal(got.recv_topk_weights, want.recv_topk_weights)
+        # The backend hands DeepEP's tensors back as they are: past the valid extent they are unspecified.
+        assert torch.equal(got.recv_topk_weights[:valid], want.recv_topk_weights[:valid])
         if layout is ExpertLayout.COMPACT:
-            assert torch.equal(got.recv_topk_idx, want.recv_topk_idx)
+            assert torch.equal(got.recv_topk_idx[:valid], want.recv_topk_idx[:valid])
         assert (got.recv_topk_idx is None) == (layout is ExpertLayout.EXPAND)
         combined = backend.combine(got.recv_x, got.handle, got.recv_topk_weights)
         expected = reference.combine(want.recv_x, want.handle, want.recv_topk_weights)
         torch.testing.assert_close(combined.x, expected.x)
         torch.testing.assert_close(combined.topk_weights, expected.topk_weights)
         cached = backend.cached_dispatch(problem.grad_out[rows], got.handle)
-        assert torch.equal(cached.recv_x, reference.cached_dispatch(problem.grad_out[rows], want.handle).recv_x)
-        # The autograd op with DeepEP's stream flags: previous event passed, async events waited.
+        assert torch.equal(cached.recv_x[:valid], reference.cached_dispatch(problem.grad_out[rows], want.handle).recv_x[:valid])
+        # The autograd ops with DeepEP's stream flags: previous event passed, async events waited; the direct-call
+        # passes clear what DeepEP left past the valid extent (expert id -1, weight 0, zero gradient rows).
         stand_in.calls.clear()
         _EventOverlap.created.clear()
         xg = x.clone().requires_grad_()
         config = ops.DispatchConfig(backend=DeepEPBackend, layout=layout, expert_alignment=4,
                                     zero_padding=layout is ExpertLayout.EXPAND, host_sync=host_sync)
-        out = ops._apply_dispatch(backend, xg, None, idx, w, 8, config, (True, True))
-        y = ops._CombineFunction.apply(out[0], out[-1], (True, True))
+        bound, side = ops.Dispatcher(config, group_of(), 8), []
+        recv_x, recv_w = ops.DispatchFunction.apply(xg, w, (bound, backend, idx, None, Streams(True, True), side))
+        assert torch.equal(recv_w, want.recv_topk_weights.masked_fill(
+            want.recv_topk_idx < 0, 0) if layout is ExpertLayout.COMPACT else want.recv_topk_weights)
+        if layout is ExpertLayout.COMPACT:
+            assert torch.equal(side[1], want.recv_topk_idx)
+        recv_x.retain_grad()
+        y = ops.CombineFunction.apply(recv_x, side[-1], Streams(True, True))
         y.sum().backward()
+        grad_rows = reference.cached_dispatch(torch.ones_like(y), want.handle).recv_x
+        assert torch.equal(recv_x.grad[:valid], grad_rows[:valid]) and not recv_x.grad[valid:].any()
         # Dispatch, combine, and in the backward the cached dispatch and the combine: every one asynchronous, and
         # every one waited on before its outputs were used.
         assert len(_EventOverlap.created) == 4 and all(e.is_async and e.waited for e in _EventOverlap.created)
-        for call in stand_in.calls:
+        for call in stand_in.calls[:4]:
             assert call["prev"] == "event-handle" and call["alloc"]
             assert call["num_sms"] == sms, call
         cached_calls = [c for c in stand_in.calls if c.get("cached")]
@@ -324,13 +333,16 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
         # Synchronous calls never allocate on the communication stream (nothing would protect those outputs from
         # reuse by that stream once freed), so they pass no previous event either.
         stand_in.calls.clear()
-        out = ops._apply_dispatch(backend, x.clone().requires_grad_(), None, idx, w, 8, config, (False, True))
-        ops._CombineFunction.apply(out[0], out[-1], (False, True)).sum().backward()
+        side = []
+        recv_x, _ = ops.DispatchFunction.apply(x.clone().requires_grad_(), None,
+                                               (bound, backend, idx, None, Streams(False, True), side))
+        ops.CombineFunction.apply(recv_x, side[-1], Streams(False, True)).sum().backward()
         assert len(stand_in.calls) == 4 and not any(c["alloc"] or c["prev"] or c["async_"] for c in stand_in.calls)
+    DeepEPBackend.device_counts = count_from_psum
     # FP8 pairs pass through as pairs, bytes unchanged.
     fp8 = (x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], 2, generator=torch.Generator().manual_seed(rank)))
-    kwargs = dict(num_experts=8, layout=ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)
-    got, want = backend.dispatch(fp8, idx, w, **kwargs), reference.dispatch(fp8, idx, w, **kwargs)
+    routing = Routing(8, ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)
+    got, want = backend.dispatch(fp8, idx, w, routing), reference.dispatch(fp8, idx, w, routing)
     assert isinstance(got.recv_x, tuple) and got.recv_x[0].dtype == torch.float8_e4m3fn
     assert torch.equal(got.recv_x[0].view(torch.uint8), want.recv_x[0].view(torch.uint8))
     assert torch.equal(got.recv_x[1], want.recv_x[1])
@@ -343,7 +355,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     default): every adapter call must still pass DeepEP's check, and the user's setting must come back."""
     _install_fake(line)
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend, Routing, Streams
 
     spec = BufferSpec(hidden=8, num_topk=2, use_fp8=False, num_max_tokens_per_rank=16, num_sms=24, deterministic=True)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
@@ -356,14 +368,16 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
         assert torch.utils.deterministic.fill_uninitialized_memory
         config = ops.DispatchConfig(backend=DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=2,
                                     zero_padding=True, host_sync=True, deterministic=True)
-        out = ops._apply_dispatch(backend, x, None, idx, w, 4, config, (True, True))
-        y = ops._CombineFunction.apply(out[0] * 2, out[-1], (True, True))
+        side = []
+        recv_x, _ = ops.DispatchFunction.apply(x, w, (ops.Dispatcher(config, group_of(), 4), backend, idx, None,
+                                                      Streams(True, True), side))
+        y = ops.CombineFunction.apply(recv_x * 2, side[-1], Streams(True, True))
         y.sum().backward()
         assert torch.utils.deterministic.fill_uninitialized_memory  # restored after every call
     finally:
         torch.use_deterministic_algorithms(False)
-    want = reference.dispatch(x.detach(), idx, w, num_experts=4, layout=ExpertLayout.EXPAND, expert_alignment=2,
-                              zero_padding=True)
+    want = reference.dispatch(x.detach(), idx, w, Routing(4, ExpertLayout.EXPAND, expert_alignment=2,
+                                                          zero_padding=True))
     torch.testing.assert_close(y, reference.combine(want.recv_x * 2, want.handle).x)
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0) * (idx >= 0).sum(1, keepdim=True))
     backend.destroy()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2.backends import ExpertLayout
+from megatron_deepepv2.backends import ExpertLayout, Routing
 from tests.distributed import run_distributed
 from tests.oracle import make_problem
 
@@ -46,7 +46,7 @@ def _compact_worker(rank: int, world: int) -> None:
         assert torch.equal(result.recv_topk_weights, expected_w)
     # The raw backend returns the weights as sent, like DeepEP.
     buffer = result.handle.backend
-    raw = buffer.dispatch(problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], num_experts=EXPERTS)
+    raw = buffer.dispatch(problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], Routing(EXPERTS))
     if rows:
         assert torch.equal(raw.recv_topk_weights, torch.stack(weights))
     counts = torch.bincount(result.recv_topk_idx[result.recv_topk_idx >= 0], minlength=EXPERTS // world)
@@ -96,7 +96,7 @@ def _cached_worker(rank: int, world: int, layout: str) -> None:
     cached = buffer.cached_dispatch(other, first.handle, w)
     assert cached.handle is first.handle
     assert torch.equal(cached.recv_x, fresh.recv_x)
-    raw_fresh = buffer.dispatch(other, idx, w, num_experts=EXPERTS, layout=ExpertLayout.parse(layout), expert_alignment=4)
+    raw_fresh = buffer.dispatch(other, idx, w, Routing(EXPERTS, ExpertLayout.parse(layout), expert_alignment=4))
     assert torch.equal(cached.recv_topk_weights, raw_fresh.recv_topk_weights)
     if layout == "compact":
         assert torch.equal(cached.recv_topk_idx, fresh.recv_topk_idx)

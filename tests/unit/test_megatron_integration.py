@@ -180,7 +180,8 @@ def test_config_validation_errors() -> None:
 def _routing_ids(rank: int, world: int) -> None:
     _setup()
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.manager import _DeepepV2Manager, dispatch_config_for
+    from megatron_deepepv2.manager import _DeepepV2Manager
+    from megatron_deepepv2.policy import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
 
     init_expert_parallel()
@@ -482,18 +483,18 @@ def _copy_after_a_step(rank: int, world: int) -> dict:
     import pickle
 
     _setup()
-    from megatron_deepepv2.manager import dispatch_config_for
+    from megatron_deepepv2.policy import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
     _forward_backward(layer, torch.randn(6, 1, layer.config.hidden_size, generator=torch.Generator().manual_seed(rank)))
     resolved = dispatch_config_for(layer.config)
-    assert resolved.passed_static_checks, "the step should have memoised its static checks"
+    assert resolved.dispatchers, "the step should have bound a dispatcher (group, leased buffer, checked inputs)"
     copied = copy.deepcopy(layer.config)
     restored = pickle.loads(pickle.dumps(layer.config))
     return {"copied_same": dispatch_config_for(copied) == resolved,
             "restored_same": dispatch_config_for(restored) == resolved,
-            "restored_memo": len(dispatch_config_for(restored).passed_static_checks),
+            "restored_memo": len(dispatch_config_for(restored).dispatchers),
             "hidden": (copied.hidden_size, restored.hidden_size)}
 
 

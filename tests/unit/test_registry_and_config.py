@@ -99,21 +99,23 @@ def test_configure_and_override() -> None:
 def test_dispatch_without_config_resolves_once_per_arguments_and_settings() -> None:
     from megatron_deepepv2 import ops
 
-    arguments = ("reference", "compact", 1, False, None, None, None, None)
-    first = ops._config_for_arguments(arguments)
-    assert ops._config_for_arguments(arguments) is first  # resolved once, then carried
+    arguments = {"backend": "reference", "layout": "compact"}
+    first = ops._config_for(arguments)
+    assert ops._config_for(dict(arguments)) is first  # resolved once, then carried
     assert first.num_sms == dv2.get_settings().num_sms
-    expand = ops._config_for_arguments(("reference", "expand", 4, True, None, None, None, None))
+    expand = ops._config_for({"backend": "reference", "layout": "expand", "expert_alignment": 4, "zero_padding": True})
     assert expand.layout is dv2.ExpertLayout.EXPAND and expand.expert_alignment == 4
     # A settings change is seen by the next call (the cache belongs to the settings it was resolved under).
     with dv2.settings_override(num_sms=7, check_ids=False):
-        changed = ops._config_for_arguments(arguments)
+        changed = ops._config_for(arguments)
         assert changed.num_sms == 7 and changed.check_ids is False
-    assert ops._config_for_arguments(arguments).num_sms == first.num_sms
+    assert ops._config_for(arguments).num_sms == first.num_sms
     # What resolve rejects is still rejected on every call.
     for _ in range(2):
         with pytest.raises(ValueError, match="not a known expert layout"):
-            ops._config_for_arguments(("reference", "sideways", 1, False, None, None, None, None))
+            ops._config_for({"backend": "reference", "layout": "sideways"})
+        with pytest.raises(TypeError, match=r"Unknown dispatch setting\(s\) \['colour'\]"):
+            ops._config_for({"colour": "blue"})
 
 
 @pytest.mark.parametrize(

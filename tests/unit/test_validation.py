@@ -282,9 +282,9 @@ def test_each_failure_is_reported_with_its_own_cause() -> None:
         assert "rank 3:" not in outcomes[rank][3] and "outside [-1, 8)" not in outcomes[rank][3], outcomes[rank][3]
 
 
-def _unlike_inputs(rank: int, world: int, field: str) -> tuple[str, str]:
-    """Validation on; rank 1 dispatches inputs unlike the others' in ``field``."""
-    dv2.configure(validate=True)
+def _unlike_inputs(rank: int, world: int, field: str, validate: bool = True) -> tuple[str, str]:
+    """Rank 1 dispatches inputs unlike the others' in ``field``."""
+    dv2.configure(validate=validate)
     x, idx, w = _good(rank)
     if rank == 1:
         if field == "dtype":
@@ -312,6 +312,17 @@ def test_ranks_that_dispatch_unlike_inputs_all_raise_naming_them(world: int, fie
     """Under validation, inputs that differ across the ranks where the exchange needs them alike (which would crash
     gloo or receive garbage) make every rank raise a ValueError naming each rank's value."""
     outcomes = run_distributed(_unlike_inputs, world, field, env={"MEGATRON_DEEPEPV2_VALIDATE": "1"}, timeout=60)
+    for rank, (kind, message) in enumerate(outcomes):
+        assert kind == "ValueError" and field in message.split(" differ (")[0].split("whose ")[-1], (rank, message)
+        assert re.search(f"rank 1: [^;)]*{field} {rank1}", message), message
+        assert re.search(f"rank 0: [^;)]*{field} {others}", message), message
+
+
+@pytest.mark.parametrize("field,rank1,others", [("hidden size", "16", "8"), ("top-k", "3", "2"), ("FP8", "yes", "no")])
+def test_ranks_with_unlike_buffers_raise_naming_them_at_default_settings(field: str, rank1: str, others: str) -> None:
+    """Without validation the buffer's build agrees on its shape key (once, not per call): a rank whose hidden size,
+    top-k or FP8-ness differs makes every rank raise naming each rank's value, instead of corrupting the exchange."""
+    outcomes = run_distributed(_unlike_inputs, 2, field, False, env=DEFAULT_ENV, timeout=60)
     for rank, (kind, message) in enumerate(outcomes):
         assert kind == "ValueError" and field in message.split(" differ (")[0].split("whose ")[-1], (rank, message)
         assert re.search(f"rank 1: [^;)]*{field} {rank1}", message), message

@@ -1,0 +1,94 @@
+"""The receive layouts of a dispatch and the row arithmetic every module shares (a leaf: it imports no package module).
+
+* :class:`ExpertLayout` -- DeepEP v2's two receive layouts, ``compact`` and ``expand``;
+* :func:`align_up` -- the one align-up of the package;
+* :func:`worst_case_recv_rows` -- the rows a dispatch without host sync allocates;
+* :func:`rows_past_valid` -- the one predicate for rows that hold no data in such a dispatch's output.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar, Union
+
+import torch
+
+#: Hidden states handed to dispatch: a BF16/FP32 tensor ``[T, H]`` or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
+HiddenStates = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+class ExpertLayout(str, enum.Enum):
+    """Receive layout of a dispatch.
+
+    ``COMPACT``: one row per (source token, this rank), with ``[N, K]`` local expert ids and weights.
+    ``EXPAND``: one row per (token, local expert) selection, grouped by local expert and padded to the
+    expert alignment, with 1-D weights. Grouped GEMMs can consume it directly.
+    """
+
+    COMPACT = "compact"
+    EXPAND = "expand"
+
+    @classmethod
+    def parse(cls, value: Union[str, "ExpertLayout"]) -> "ExpertLayout":
+        """Returns the layout named by ``value``.
+
+        Args:
+            value: An :class:`ExpertLayout` or its name (``"compact"`` / ``"expand"``, any case).
+
+        Returns:
+            The matching layout.
+
+        Raises:
+            ValueError: If ``value`` names no layout.
+        """
+        if isinstance(value, ExpertLayout):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"layout={value!r} is not a known expert layout; use one of {names}.") from None
+
+
+_Count = TypeVar("_Count", int, torch.Tensor)
+
+
+def align_up(value: _Count, alignment: int) -> _Count:
+    """``value`` rounded up to a multiple of ``alignment`` (ints, and int tensors on their device)."""
+    return (value + alignment - 1) // alignment * alignment
+
+
+def rows_past_valid(num_rows: int, num_valid_rows: torch.Tensor) -> torch.Tensor:
+    """``[num_rows]`` bool, True on the rows from ``num_valid_rows`` (a device count) on: the rows of a worst-case-sized
+    output that hold no data. Computed on the count's device without a host read; callers ``masked_fill`` with it."""
+    return torch.arange(num_rows, device=num_valid_rows.device) >= num_valid_rows
+
+
+def worst_case_recv_rows(
+    layout: ExpertLayout,
+    *,
+    group_size: int,
+    num_max_tokens_per_rank: int,
+    num_topk: int,
+    num_local_experts: int,
+    expert_alignment: int = 1,
+) -> int:
+    """Rows a dispatch without host sync allocates (DeepEP 2.1.0's worst case, which every backend uses).
+
+    Args:
+        layout: Receive layout.
+        group_size: Ranks in the group (``G``).
+        num_max_tokens_per_rank: The buffer's token capacity (``T_max``).
+        num_topk: Top-k of the routing (``K``).
+        num_local_experts: Experts per rank (``E_local``).
+        expert_alignment: Expand-layout block alignment.
+
+    Returns:
+        ``G * T_max`` for compact; ``align(G * T_max * min(K, E_local) + (alignment - 1) * E_local,
+        alignment)`` for expand.
+    """
+    if layout is ExpertLayout.COMPACT:
+        return group_size * num_max_tokens_per_rank
+    rows = group_size * num_max_tokens_per_rank * min(num_topk, num_local_experts)
+    rows += (expert_alignment - 1) * num_local_experts
+    return align_up(rows, expert_alignment)
