@@ -309,15 +309,12 @@ def _replace_function(module_names: list[str], name: str, make_wrapper: Callable
 
 
 def _wrap_should_free_input(original: Callable) -> Callable:
-    from megatron_deepepv2.backends import ExpertLayout  # noqa: PLC0415
-    from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
-
     def should_free_input(name, is_moe, config, num_local_experts):
         if not is_deepepv2(config):
             return original(name, is_moe, config, num_local_experts)
-        if name == "mlp" and is_moe and dispatch_config_for(config).layout is ExpertLayout.EXPAND:
-            # Expand: dispatch_postprocess is an identity (as for hybridep), so the mlp node's input is the
-            # experts' GEMM input, saved for backward; only an FP8/FP4 cast copy lets it go.
+        if name == "mlp" and is_moe:
+            # The expand layout: dispatch_postprocess is an identity (as for hybridep), so the mlp node's input is
+            # the experts' GEMM input, saved for backward; only an FP8/FP4 cast copy lets it go.
             return getattr(config, "fp8", None) is not None or getattr(config, "fp4", None) is not None
         return original(name, is_moe, _AsDeepEP(config), num_local_experts)
 
@@ -341,12 +338,9 @@ def _wrap_build_callables(original: Callable) -> Callable:
 
 
 def _wrap_skip_padding(original: Callable) -> Callable:
-    from megatron_deepepv2.policy import dispatcher_pads_for_experts  # noqa: PLC0415
-
     def skip_routed_expert_padding(config):
-        if is_deepepv2(config) and dispatcher_pads_for_experts(config):
-            return True
-        return original(config)
+        # deepepv2's expand layout hands the experts blocks DeepEP already aligned and zero-padded.
+        return True if is_deepepv2(config) else original(config)
 
     return skip_routed_expert_padding
 

@@ -2,26 +2,21 @@
 
 Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` -> ``dispatch`` ->
 ``get_permuted_hidden_states_by_experts`` -> experts -> ``get_restored_hidden_states_by_experts`` ->
-``combine``). This manager implements them for both receive layouts:
+``combine``). This manager implements them over DeepEP's expand layout: each expert block padded to
+``get_align_size_for_quantization(config)`` (1 when 0) with zero rows and zero probs, so permute and unpermute are
+identities and tokens per expert come from the dispatch handle (the experts must not pad again:
+:mod:`megatron_deepepv2.integration` makes ``skip_routed_expert_padding`` say so). The dispatch settings are resolved
+once per ``TransformerConfig`` by :func:`megatron_deepepv2.policy.dispatch_config_for`; each dispatch reaches DeepEP
+through three frames of this package (:meth:`_DeepepV2Manager.dispatch`, the autograd Function, the backend).
 
-* ``expand`` (default): DeepEP's per-expert layout, each expert block padded to
-  ``get_align_size_for_quantization(config)`` (1 when 0) with zero rows and zero probs. Permute and
-  unpermute are identities and tokens per expert come from the dispatch handle. The experts must not pad
-  again: :mod:`megatron_deepepv2.integration` makes ``skip_routed_expert_padding`` say so.
-* ``compact``: one row per (token, rank), then Megatron's own permute/unpermute (inherited from
-  ``_DeepepManager``) with its align size.
-
-Choose with ``MEGATRON_DEEPEPV2_LAYOUT`` or ``megatron_deepepv2.configure(layout=...)``; the choice (with the
-other dispatch settings) is resolved once per ``TransformerConfig`` by :func:`megatron_deepepv2.policy.dispatch_config_for`.
-
-No host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``, expand only): the dispatch output has the worst-case
+No host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``): the dispatch output has the worst-case
 row count and ``get_number_of_tokens_per_expert()`` is a device tensor; nothing on this path reads a
 device value on the host, so the layer can be captured in a CUDA graph. The experts must take device
 counts (:mod:`megatron_deepepv2.experts`).
 
 Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and are not sent.
 
-Receive bound (``--moe-expert-rank-capacity-factor``, expand layout): the experts get at most
+Receive bound (``--moe-expert-rank-capacity-factor``): the experts get at most
 :meth:`_DeepepV2Manager.receive_bound` rows, a static size (what a CUDA graph of the no-host-sync mode wants)
 instead of the dispatch's worst case; rows past it are dropped, counted on the device (``dropped_rows``) and
 flagged in ``over_budget`` (Megatron's ``check_over_budget`` / ``reset_over_budget``), as HybridEP's budget does.
@@ -38,9 +33,9 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
 from megatron_deepepv2 import ops
-from megatron_deepepv2.backends import DispatchHandle, ExpertLayout
+from megatron_deepepv2.backends import DispatchHandle
 from megatron_deepepv2.layout import align_up
-from megatron_deepepv2.policy import deterministic_algorithms, dispatch_config_for
+from megatron_deepepv2.policy import dispatch_config_for
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +45,8 @@ _warned_low_precision_probs = False
 class _DeepepV2Manager(_DeepepManager):
     """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``.
 
-    Subclasses ``_DeepepManager`` for its routing helpers (multihot conversion,
-    router padding, compact permute/unpermute) without calling its ``__init__``, which requires DeepEP v1.
+    Subclasses ``_DeepepManager`` (what Megatron's flex dispatcher and its hooks expect of a manager) without calling
+    its ``__init__``, which requires DeepEP v1.
 
     Args:
         group: The TPxEP process group of the flex dispatcher.
@@ -63,8 +58,7 @@ class _DeepepV2Manager(_DeepepManager):
 
     Raises:
         ImportError: If the configured backend was named explicitly and cannot run.
-        ValueError: If no-host-sync mode or ``moe_expert_rank_capacity_factor`` is asked for with the compact
-            layout, or the backend cannot run the configured mode.
+        ValueError: If the layout setting is not expand, or the backend cannot run the configured mode.
     """
 
     def __init__(
@@ -86,12 +80,6 @@ class _DeepepV2Manager(_DeepepManager):
         self.dispatch_config = dispatch_config_for(config)  # fails early for an explicit backend
         self.dispatcher = self.dispatch_config.dispatcher(group, num_experts)
         self.rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
-        if self.rank_capacity_factor is not None and self.layout is not ExpertLayout.EXPAND:
-            raise ValueError(
-                "moe_expert_rank_capacity_factor bounds the expand receive of deepepv2; with the compact layout "
-                "Megatron's permute sizes the expert input itself. Set MEGATRON_DEEPEPV2_LAYOUT=expand or unset "
-                "--moe-expert-rank-capacity-factor."
-            )
         # Megatron's budget hooks (check_over_budget / reset_over_budget) look for `over_budget` with hasattr: it
         # and `dropped_rows` exist only with a bound, from its first dispatch on (on that dispatch's device).
         self._bounded_rows: Optional[tuple[int, int]] = None
@@ -135,7 +123,7 @@ class _DeepepV2Manager(_DeepepManager):
             allocate_on_comm_stream: Allocate on the communication stream (Megatron passes True).
 
         Returns:
-            Received rows in the configured layout.
+            Received rows in the expand layout.
         """
         global _warned_low_precision_probs
         if self.token_probs.dtype != torch.float32:
@@ -205,11 +193,6 @@ class _DeepepV2Manager(_DeepepManager):
         return recv_x[:bound]
 
     @property
-    def layout(self) -> ExpertLayout:
-        """Receive layout of this layer's dispatches."""
-        return self.dispatch_config.layout
-
-    @property
     def host_sync(self) -> bool:
         """Whether this layer's dispatches wait on the host for exact sizes."""
         return self.dispatch_config.host_sync
@@ -220,34 +203,20 @@ class _DeepepV2Manager(_DeepepManager):
         return self.dispatch_config.deterministic
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
-        """Returns ``(rows grouped by local expert, their probs)``.
-
-        Expand: the dispatch output already is that layout (padding rows and probs are zero).
-        Compact: Megatron's permute, as the v1 DeepEP manager does.
-        """
-        if self.layout is ExpertLayout.COMPACT:
-            return super().get_permuted_hidden_states_by_experts(hidden_states)
+        """Returns ``(rows grouped by local expert, their probs)``: the dispatch output already is that layout
+        (padding rows and probs are zero)."""
         probs = self.dispatched_probs
         if self.router_dtype == "fp64":
             probs = probs.to(torch.float64)
         return hidden_states, probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`get_permuted_hidden_states_by_experts` (identity for expand).
-
-        In deterministic mode the compact unpermute runs under torch's deterministic algorithms, so
-        Megatron's unfused unpermute reduces with ``index_add_`` rather than ``scatter_add_``.
-        """
-        if self.layout is ExpertLayout.EXPAND:
-            if self._bounded_rows is not None:
-                # Back to the dispatch's row count for combine; the rows past the bound (dropped) are zero.
-                bound, num_rows = self._bounded_rows
-                hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, num_rows - bound))
-            return hidden_states
-        if not self.deterministic:
-            return super().get_restored_hidden_states_by_experts(hidden_states)
-        with deterministic_algorithms():
-            return super().get_restored_hidden_states_by_experts(hidden_states)
+        """Inverse of :meth:`get_permuted_hidden_states_by_experts`: an identity, but for the rows a receive bound
+        dropped (zero rows again, so combine sees the dispatch's row count)."""
+        if self._bounded_rows is not None:
+            bound, num_rows = self._bounded_rows
+            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, num_rows - bound))
+        return hidden_states
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
         """Rows per local expert (alignment-padded for expand): int64, on the CPU, or on the device

@@ -195,21 +195,11 @@ class DispatchHandle:
         self._device_counts = device_counts
         self._host_counts = host_counts
 
-    @property
-    def layout(self) -> ExpertLayout:
-        return self.routing.layout
-
-    @property
-    def host_sync(self) -> bool:
-        return self.routing.host_sync
-
-    @property
-    def num_experts(self) -> int:
-        return self.routing.num_experts
-
-    @property
-    def expert_alignment(self) -> int:
-        return self.routing.expert_alignment
+    # The routing's fields, read where a handle is at hand.
+    layout = property(lambda self: self.routing.layout)
+    host_sync = property(lambda self: self.routing.host_sync)
+    num_experts = property(lambda self: self.routing.num_experts)
+    expert_alignment = property(lambda self: self.routing.expert_alignment)
 
     @property
     def tokens_per_expert_list(self) -> Optional[list[int]]:
@@ -218,20 +208,21 @@ class DispatchHandle:
             self._host_counts = self.backend.host_counts(self)
         return self._host_counts
 
+    def _counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._device_counts is None:
+            self._device_counts = self.backend.device_counts(self)
+        return self._device_counts
+
     @property
     def tokens_per_expert(self) -> torch.Tensor:
         """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device (computed on first use)."""
-        if self._device_counts is None:
-            self._device_counts = self.backend.device_counts(self)
-        return self._device_counts[0]
+        return self._counts()[0]
 
     @property
     def num_valid_rows(self) -> torch.Tensor:
         """0-dim int64 on the rows' device: rows holding data (compact: received rows; expand: the sum of
         ``tokens_per_expert``). Equals ``num_recv_rows`` with host sync."""
-        if self._device_counts is None:
-            self._device_counts = self.backend.device_counts(self)
-        return self._device_counts[1]
+        return self._counts()[1]
 
     def __repr__(self) -> str:
         return (f"DispatchHandle({self.backend.name}, {self.routing.layout.value}, tokens={self.num_tokens}, "
@@ -289,13 +280,11 @@ class DispatchBackend(ABC):
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        """Says why this backend cannot run in this process (what is missing, how to fix it), or None when it can."""
-        return None
+        """Why this backend cannot run in this process (what is missing, how to fix it), or None when it can."""
 
     @classmethod
     def preflight(cls, *, host_sync: bool = True, deterministic: bool = False) -> Optional[Exception]:
         """A mode this backend cannot run (the exception says why and how to fix it), or None."""
-        return None
 
     @abstractmethod
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
@@ -308,19 +297,13 @@ class DispatchBackend(ABC):
             topk_weights: ``[T, K]`` contiguous fp32 routing weights, or None.
             routing: What the dispatch does.
             streams: How it orders the communication stream.
-
-        Returns:
-            The received tensors and the handle.
         """
 
     @abstractmethod
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                         streams: Streams = SYNC) -> DispatchOutput:
-        """Repeats the routing of ``handle`` for new data ``[T, H]`` (no layout computation, no host sync).
-
-        Returns:
-            Output in the layout of ``handle``; ``handle`` is returned unchanged.
-        """
+        """Repeats the routing of ``handle`` for new data ``[T, H]`` (no layout computation, no host sync); the
+        output is in the layout of ``handle``, which it returns unchanged."""
 
     @abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
@@ -334,9 +317,6 @@ class DispatchBackend(ABC):
             topk_weights: Optional weights in the receive layout (``[N, K]`` compact, ``[N_expanded]`` expand),
                 gathered back per top-k slot from the slot's owning rank.
             streams: How it orders the communication stream.
-
-        Returns:
-            ``[T, H]`` combined rows and, when weights were given, ``[T, K]`` fp32 weights.
         """
 
     @abstractmethod

@@ -221,7 +221,8 @@ def _moe_layer_grads(dispatcher: str, layout: str, shape, x0):
 
 @case
 def moe_layer_matches_alltoall() -> None:
-    """Megatron MoELayer with deepepv2 (expand, compact) vs the alltoall dispatcher: output and every gradient."""
+    """Megatron MoELayer with deepepv2 vs the alltoall dispatcher: output and every gradient; the compact layout is
+    refused for Megatron layers, naming expand."""
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig
 
     dv2.install()
@@ -229,7 +230,13 @@ def moe_layer_matches_alltoall() -> None:
     gen = torch.Generator().manual_seed(RANK)
     x0 = torch.randn(512, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
     want = _moe_layer_grads("alltoall", "expand", shape, x0)
-    for layout in ("expand", "compact"):
+    try:
+        _moe_layer_grads("deepepv2", "compact", shape, x0)
+    except ValueError as error:
+        assert "expand layout only" in str(error), error
+    else:
+        raise AssertionError("a deepepv2 MoELayer was built with the compact layout")
+    for layout in ("expand",):
         got = _moe_layer_grads("deepepv2", layout, shape, x0)
         torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2, msg=f"{layout} output")
         torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2, msg=f"{layout} input grad")
@@ -244,13 +251,12 @@ def moe_layer_matches_alltoall() -> None:
 def ep_overlap_combined_1f1b_matches_alltoall() -> None:
     """overlap_moe_expert_parallel_comm: Megatron's combined 1F1B schedule (forward of one micro-batch interleaved
     with the backward of the previous, dispatch and combine on Megatron's communication stream) over ElasticBuffer,
-    both layouts, vs plain forward + backward steps through the alltoall dispatcher: losses and every gradient."""
+    vs plain forward + backward steps through the alltoall dispatcher: losses and every gradient."""
     from tests.unit.test_ep_overlap import GPU_SHAPE, compare_overlap_with_alltoall
 
     dv2.install()
-    for layout in ("expand", "compact"):
-        dv2.configure(layout=layout, backend="deepep")
-        compare_overlap_with_alltoall(RANK, GPU_SHAPE)
+    dv2.configure(layout="expand", backend="deepep")
+    compare_overlap_with_alltoall(RANK, GPU_SHAPE)
     dv2.destroy_buffers()
 
 
@@ -560,7 +566,7 @@ def micro_batches_in_flight_across_rebuilds() -> None:
     """Four micro-batches' forwards, then their backwards in reverse order, with the token count growing twice: the
     ElasticBuffer is rebuilt while earlier handles still wait for their backward. Outputs and gradients equal the
     reference backend's run of the same schedule bitwise; the superseded buffers are kept while in use and
-    destroyed at the next dispatch after."""
+    destroyed at the next build after."""
     from megatron_deepepv2 import buffers
 
     def schedule(backend: str):
@@ -586,7 +592,11 @@ def micro_batches_in_flight_across_rebuilds() -> None:
         for name, tensor_a, tensor_b in zip(("output", "grad_x", "grad_weights"), a, b):
             exact(f"micro-batch {3 - index} {name}", tensor_a, tensor_b)
     del got, want
+    # No dispatch releases them (nothing runs per call for retired buffers); the next build on the group does.
     x, idx, w = make_routing(16, 1024, 32, 8, seed=60 + RANK)
+    dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep")
+    assert len([b for b in buffers.retired_buffers() if b.name == "deepep"]) == retired_while_pending
+    x, idx, w = make_routing(16, 2048, 32, 8, seed=60 + RANK)
     dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep")
     assert not [b for b in buffers.retired_buffers() if b.name == "deepep"], buffers.retired_buffers()
     dv2.destroy_buffers()

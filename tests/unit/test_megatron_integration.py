@@ -84,15 +84,33 @@ def _parity(rank: int, world: int, layout: str, tokens_per_rank: list[int], capa
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("layout", ["expand", "compact"])
-def test_moe_layer_matches_alltoall(world: int, layout: str) -> None:
+def test_moe_layer_matches_alltoall(world: int) -> None:
     """World 1 is EP=1: the flex dispatcher on a 1-rank group, which Megatron's own deepep refuses."""
-    run_distributed(_parity, world, layout, [16, 8, 12, 4][:world], None, 1, timeout=180)
+    run_distributed(_parity, world, "expand", [16, 8, 12, 4][:world], None, 1, timeout=180)
 
 
-@pytest.mark.parametrize("layout", ["expand", "compact"])
-def test_moe_layer_with_capacity_factor(layout: str) -> None:
-    run_distributed(_parity, 2, layout, [16, 16], 0.5, 1, timeout=180)
+def test_moe_layer_with_capacity_factor() -> None:
+    run_distributed(_parity, 2, "expand", [16, 16], 0.5, 1, timeout=180)
+
+
+def _compact_layer(rank: int, world: int) -> str:
+    _setup()
+    import megatron_deepepv2 as dv2
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.configure(layout="compact")
+    try:
+        build_moe_layer(TinyMoEConfig(), "deepepv2")
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_megatron_layers_refuse_the_compact_layout_naming_expand() -> None:
+    (message,) = run_distributed(_compact_layer, 1)
+    assert "Megatron layers dispatch in the expand layout only" in message, message
+    assert "MEGATRON_DEEPEPV2_LAYOUT=expand" in message and "dispatch(layout='compact')" in message, message
 
 
 @pytest.mark.parametrize("alignment", [16, 32])
@@ -137,9 +155,8 @@ def _empty_rank_stages(rank: int, world: int, layout: str, tokens_per_rank: list
     torch.testing.assert_close(hidden.grad, prob_sum.expand_as(hidden).contiguous())
 
 
-@pytest.mark.parametrize("layout", ["expand", "compact"])
-def test_dispatcher_stages_with_an_empty_rank(layout: str) -> None:
-    run_distributed(_empty_rank_stages, 4, layout, [5, 0, 9, 2])
+def test_dispatcher_stages_with_an_empty_rank() -> None:
+    run_distributed(_empty_rank_stages, 4, "expand", [5, 0, 9, 2])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,21 +314,12 @@ def _backend_string_checks(rank: int, world: int) -> None:
     v1 = transformer_config(TinyMoEConfig(), "deepep")
     import megatron_deepepv2 as dv2
 
-    with dv2.settings_override(layout="compact"):  # Megatron's permute copies, exactly as with deepep
-        compact = transformer_config(TinyMoEConfig(), "deepepv2")
-        for node in ("moe_dispatch", "moe_combine", "mlp"):
-            assert should_free_input(node, True, compact, 4) == should_free_input(node, True, v1, 4), node
-    with dv2.settings_override(layout="expand"):
-        v2 = transformer_config(TinyMoEConfig(), "deepepv2")
-        for node in ("moe_dispatch", "moe_combine"):
-            assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
-        # The expand rows go straight into the expert GEMMs, which save them for backward (like hybridep).
-        assert should_free_input("mlp", True, v2, 4) is False and should_free_input("mlp", True, v1, 4) is True
+    v2 = transformer_config(TinyMoEConfig(), "deepepv2")
+    for node in ("moe_dispatch", "moe_combine"):
+        assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
+    # The expand rows go straight into the expert GEMMs, which save them for backward (like hybridep).
+    assert should_free_input("mlp", True, v2, 4) is False and should_free_input("mlp", True, v1, 4) is True
     assert should_free_input("moe_dispatch", True, v2, 4) is False  # dispatch input kept for backward
-    # A config's dispatch configuration is resolved once: a later settings change does not reach its layers.
-    with dv2.settings_override(layout="compact"):
-        assert should_free_input("mlp", True, v2, 4) is False
-        assert should_free_input("mlp", True, compact, 4) is True
     if _has_skip_padding_hook():
         assert moe_utils.skip_routed_expert_padding(v2) is True  # expand layout pads already
         alltoall = transformer_config(TinyMoEConfig(), "alltoall")
@@ -468,12 +476,11 @@ def _manager_contract(rank: int, world: int, layout: str) -> dict:
             "missing": sorted(name for name in expected if not hasattr(manager, name))}
 
 
-@pytest.mark.parametrize("layout", ["compact", "expand"])
-def test_manager_has_every_attribute_megatrons_deepep_manager_sets_up(layout: str) -> None:
+def test_manager_has_every_attribute_megatrons_deepep_manager_sets_up() -> None:
     """The manager inherits _DeepepManager's routing helpers without running its __init__ (which needs DeepEP v1):
     whatever that __init__ sets up on this megatron-core must exist on ours too, or an inherited helper fails mid-step.
     A release that adds one fails here (CI runs this on every supported megatron-core)."""
-    (report,) = run_distributed(_manager_contract, 1, layout)
+    (report,) = run_distributed(_manager_contract, 1, "expand")
     assert report["is_deepep_manager"] and len(report["expected"]) >= 8, report
     assert not report["missing"], f"_DeepepV2Manager lacks {report['missing']} (set up by _DeepepManager.__init__)"
 

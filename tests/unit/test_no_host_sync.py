@@ -257,7 +257,7 @@ def test_no_host_sync_rejects_experts_that_read_counts_on_the_host() -> None:
     errors = run_distributed(_unsupported, 2)[0]
     assert "SequentialMLP reads tokens_per_expert on the host" in errors[0]
     assert "SyncFreeSequentialMLP" in errors[0]
-    assert "needs the expand layout" in errors[1]
+    assert "Megatron layers dispatch in the expand layout only" in errors[1]
 
 
 def _graphs_left_after_a_step(rank: int, world: int, no_host_sync: bool) -> list[str]:
