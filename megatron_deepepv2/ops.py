@@ -1,32 +1,26 @@
 """Differentiable dispatch and combine: one bound :class:`Dispatcher` per layer, one autograd Function per op.
 
-=========  ==========================================  ==========================================
-op         forward                                     backward
-=========  ==========================================  ==========================================
-dispatch   backend dispatch (fresh routing)            combine of the gradient, weights alongside
-combine    backend combine                             cached dispatch of the gradient
-=========  ==========================================  ==========================================
+========  =====================================  =====================================
+op        forward                                backward
+========  =====================================  =====================================
+dispatch  backend dispatch (fresh routing)       combine of the gradient, weights alongside
+combine   backend combine                        cached dispatch of the gradient
+========  =====================================  =====================================
 
-What stays the same from call to call is resolved once: a :class:`DispatchConfig` (the settings of a layer), and a
-:class:`Dispatcher` that binds it to a process group and an expert count and keeps what it learns -- the input
-signature that passed the static checks, the buffer it leases (until a rebuild retires it), the backend's call
-arguments. A call then checks nothing it checked before, looks nothing up, and makes one backend call per op; the
-Megatron manager reaches DeepEP through three frames of this package (its ``dispatch``, the Function's ``forward``,
-the backend's ``dispatch``).
+What stays the same from call to call is resolved once: a :class:`DispatchConfig` (a layer's settings) and a
+:class:`Dispatcher` binding it to a group and an expert count, which keeps the input signature that passed the static
+checks and the buffer it leases (until a rebuild retires it). A call checks nothing it checked before and makes one
+backend call per op; the Megatron manager reaches DeepEP through three frames of this package (its ``dispatch``, the
+Function's ``forward``, the backend's ``dispatch``). Every kernel producing a communication input (``.contiguous()``,
+fp32 casts) is enqueued before the backend captures the event its communication stream waits on (Megatron-LM#5153).
 
-Ordering rule (Megatron-LM#5153 review): every kernel that produces a communication input -- ``.contiguous()``, the
-fp32 cast of weights or gradients -- is enqueued *before* the event the communication stream waits on is captured
-(the backends capture it inside their call).
+FP8 dispatch (``fp8_dispatch``) quantises ``x`` just before the backend's dispatch and dequantises just after
+(:mod:`megatron_deepepv2.fp8`): the backward is the BF16 one, a straight-through estimator for ``x``.
 
-FP8 dispatch (the configuration's ``fp8_dispatch``): the forward quantises ``x`` just before the backend's dispatch
-and dequantises the received rows just after (:mod:`megatron_deepepv2.fp8`), so the backward is the BF16 one -- a
-straight-through estimator for ``x``.
-
-Passes only direct callers need are configuration switches, on by default and off in the Megatron manager, whose
-consumers never read what they write: ``mask_foreign_weights`` (compact: zero the received weights of other ranks'
-experts; their gradient is zero either way, since combine-as-backward gathers each slot's weight gradient from the
-slot's owning rank only), ``clear_tail`` (without host sync: expert id -1 and weight 0 on the rows past the valid
-extent, and zero rows past it in a combine's input gradient) and ``check_ids`` (expert ids in range and distinct).
+Passes only direct callers need are switches, on by default and off in the Megatron manager, whose consumers never
+read what they write: ``mask_foreign_weights`` (compact: zero the received weights of other ranks' experts; their
+gradient is zero either way), ``clear_tail`` (without host sync: expert id -1 and weight 0 past the valid rows, and
+zero rows past them in a combine's input gradient) and ``check_ids`` (expert ids in range and distinct).
 """
 
 from __future__ import annotations
@@ -62,9 +56,8 @@ class DispatchResult(NamedTuple):
     Attributes:
         recv_x: Received rows (an FP8 pair when one was dispatched).
         recv_topk_idx: Compact: ``[N, K]`` local expert ids (-1 = other rank). Expand: None.
-        recv_topk_weights: Compact: ``[N, K]`` fp32, zero where ``recv_topk_idx`` is -1 (with
-            ``mask_foreign_weights``). Expand: ``[N]`` fp32, one per row (zero on padding rows with ``zero_padding``).
-            None when no weights were dispatched.
+        recv_topk_weights: Compact ``[N, K]`` / expand ``[N]`` fp32 (zero where the id is -1 with
+            ``mask_foreign_weights``, on padding rows with ``zero_padding``), or None if none were dispatched.
         handle: Handle for :func:`combine` (``handle.num_valid_rows``: rows holding data, on the device).
     """
 
@@ -75,20 +68,19 @@ class DispatchResult(NamedTuple):
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
-        """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device (derived on first use)."""
+        """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device."""
         return self.handle.tokens_per_expert
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """Everything about a dispatch that stays the same from call to call: one per layer, resolved once.
-
-    :meth:`resolve` fills every field it is not given from the process-wide settings (:mod:`megatron_deepepv2.config`)
-    where a setting of that name exists (``host_sync`` from ``no_host_sync``), else from the defaults here.
+    """Everything about a dispatch that stays the same from call to call: one per layer, resolved once
+    (:meth:`resolve` takes the fields it is not given from the settings of the same name, ``host_sync`` from
+    ``no_host_sync``, else from the defaults here).
 
     Attributes:
         backend: Backend class (a registered, usable backend).
-        layout: Receive layout (direct calls default to compact; the Megatron manager uses the ``layout`` setting).
+        layout: Receive layout (compact by default; Megatron layers use expand).
         expert_alignment: Expand layout: each expert block is padded to a multiple of this.
         zero_padding: Expand layout: padding rows and their weights are zero-filled.
         num_sms: SMs for the communication kernels (0 = backend's choice).
@@ -98,11 +90,10 @@ class DispatchConfig:
         validate: Host-side value checks agreed over the group.
         check_ids: Expert-id checks when ``validate`` is off (see :mod:`megatron_deepepv2.validation`).
         growth_timeout_s: How long a capacity growth waits for the other ranks.
-        mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts.
-        clear_tail: Without host sync: expert id -1 and weight 0 on the rows past the valid extent, and zero rows
-            past it in the gradient a combine's backward returns (a consumer may reduce over every row).
-        fp8_dispatch: Quantise BF16 hidden states to e4m3 with 1x128 scales for the dispatch and hand back BF16
-            rows (:mod:`megatron_deepepv2.fp8`); gradients stay BF16.
+        mask_foreign_weights: Compact: zero the received weights of other ranks' experts.
+        clear_tail: Without host sync: expert id -1 and weight 0 past the valid rows, zero rows past them in a
+            combine's input gradient (a consumer may reduce over every row).
+        fp8_dispatch: Send BF16 hidden states as e4m3 with 1x128 scales, hand back BF16 rows; gradients stay BF16.
         allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode; None: only when the group spans nodes.
     """
 

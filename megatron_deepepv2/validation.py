@@ -46,9 +46,7 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build of 
 from megatron_deepepv2._dist import all_gather_ints, all_reduce_max, announce_failure
 from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
 
-_FP8_DTYPES = tuple(
-    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
-)
+_FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
@@ -88,101 +86,68 @@ def check_dispatch_inputs(
         A ``TypeError`` or ``ValueError`` describing the first problem, or None when all is well.
     """
     is_fp8 = isinstance(x, tuple)
-    if is_fp8:
-        if len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x):
-            return TypeError(
-                f"x must be a tensor [T, H] or an FP8 pair (x_fp8 [T, H], scales [T, S]); got a tuple of "
-                f"{len(x)} item(s) of types {[type(t).__name__ for t in x]}."
-            )
-        data, scales = x
-    elif isinstance(x, torch.Tensor):
-        data, scales = x, None
-    else:
+    if is_fp8 and (len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x)):
+        return TypeError(f"x must be a tensor [T, H] or an FP8 pair (x_fp8 [T, H], scales [T, S]); got a tuple of "
+                         f"{len(x)} item(s) of types {[type(t).__name__ for t in x]}.")
+    if not is_fp8 and not isinstance(x, torch.Tensor):
         return TypeError(f"x must be a torch.Tensor [T, H] or an FP8 pair; got {type(x).__name__}.")
-
+    data, scales = x if is_fp8 else (x, None)
     if data.dim() != 2:
-        return ValueError(
-            f"x must be 2-D [num_tokens, hidden]; got shape {tuple(data.shape)}. Flatten leading dims with "
-            "x.view(-1, hidden)."
-        )
+        return ValueError(f"x must be 2-D [num_tokens, hidden]; got shape {tuple(data.shape)}. Flatten leading dims "
+                          "with x.view(-1, hidden).")
     num_tokens, hidden = data.shape
-    if is_fp8:
-        if data.dtype not in _FP8_DTYPES:
-            return TypeError(
-                f"x[0] of an FP8 pair must have an FP8 dtype ({_dtype_names(_FP8_DTYPES)}); got {data.dtype}."
-            )
-        if scales.dim() != 2 or scales.shape[0] != num_tokens or scales.element_size() != 4:
-            return ValueError(
-                f"FP8 scales must be [T={num_tokens}, S] with 4-byte elements (fp32 scales or packed "
-                f"UE8M0 int32); got shape {tuple(scales.shape)} dtype {scales.dtype}."
-            )
-        if hidden % limits.fp8_hidden_multiple:
-            return ValueError(
-                f"FP8 dispatch needs hidden % {limits.fp8_hidden_multiple} == 0; got hidden={hidden}. Pad the "
-                "hidden size or dispatch in BF16."
-            )
-    elif data.dtype not in limits.dispatch_dtypes:
-        return TypeError(
-            f"x has dtype {data.dtype}; this backend dispatches {_dtype_names(limits.dispatch_dtypes)} (or an "
-            f"FP8 pair). Cast it, e.g. x.to(torch.bfloat16)."
-        )
-    if limits.combine_hidden_multiple > 1 and hidden % limits.combine_hidden_multiple:
-        return ValueError(
-            f"hidden={hidden} is not a multiple of {limits.combine_hidden_multiple}, which this backend's "
-            "combine (also run by dispatch backward) requires. Use a hidden size that is a multiple of "
-            f"{limits.combine_hidden_multiple}, or the reference backend."
-        )
+    if is_fp8 and data.dtype not in _FP8_DTYPES:
+        return TypeError(f"x[0] of an FP8 pair must have an FP8 dtype ({_dtype_names(_FP8_DTYPES)}); got {data.dtype}.")
+    if is_fp8 and (scales.dim() != 2 or scales.shape[0] != num_tokens or scales.element_size() != 4):
+        return ValueError(f"FP8 scales must be [T={num_tokens}, S] with 4-byte elements (fp32 scales or packed UE8M0 "
+                          f"int32); got shape {tuple(scales.shape)} dtype {scales.dtype}.")
+    if is_fp8 and hidden % limits.fp8_hidden_multiple:
+        return ValueError(f"FP8 dispatch needs hidden % {limits.fp8_hidden_multiple} == 0; got hidden={hidden}. Pad "
+                          "the hidden size or dispatch in BF16.")
+    if not is_fp8 and data.dtype not in limits.dispatch_dtypes:
+        return TypeError(f"x has dtype {data.dtype}; this backend dispatches {_dtype_names(limits.dispatch_dtypes)} "
+                         "(or an FP8 pair). Cast it, e.g. x.to(torch.bfloat16).")
+    if hidden % limits.combine_hidden_multiple:
+        return ValueError(f"hidden={hidden} is not a multiple of {limits.combine_hidden_multiple}, which this "
+                          "backend's combine (also run by dispatch backward) requires. Use a hidden size that is a "
+                          f"multiple of {limits.combine_hidden_multiple}, or the reference backend.")
     if limits.requires_cuda and not data.is_cuda:
         return ValueError(f"x is on {data.device}; this backend needs CUDA tensors. Move inputs with .cuda().")
-
     if not isinstance(topk_idx, torch.Tensor):
         return TypeError(f"topk_idx must be a torch.Tensor [T, K]; got {type(topk_idx).__name__}.")
     if topk_idx.dtype != torch.int64:
         return TypeError(f"topk_idx has dtype {topk_idx.dtype}; it must be int64. Convert with topk_idx.long().")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens:
-        return ValueError(
-            f"topk_idx must be [T={num_tokens}, K] to match x; got shape {tuple(topk_idx.shape)}."
-        )
-    num_topk = topk_idx.shape[1]
-    if not 1 <= num_topk <= limits.max_topk:
-        return ValueError(f"top-k={num_topk} is out of range; this backend supports 1 <= K <= {limits.max_topk}.")
+        return ValueError(f"topk_idx must be [T={num_tokens}, K] to match x; got shape {tuple(topk_idx.shape)}.")
+    if not 1 <= topk_idx.shape[1] <= limits.max_topk:
+        return ValueError(f"top-k={topk_idx.shape[1]} is out of range; this backend supports 1 <= K <= "
+                          f"{limits.max_topk}.")
     if topk_idx.device != data.device:
         return ValueError(f"topk_idx is on {topk_idx.device} but x is on {data.device}; put both on one device.")
-
     if topk_weights is not None:
         if not isinstance(topk_weights, torch.Tensor):
             return TypeError(f"topk_weights must be a torch.Tensor or None; got {type(topk_weights).__name__}.")
         if topk_weights.dtype != torch.float32:
-            return TypeError(
-                f"topk_weights has dtype {topk_weights.dtype}; it must be float32. Convert with "
-                "topk_weights.float() (Megatron: --moe-router-dtype fp32)."
-            )
+            return TypeError(f"topk_weights has dtype {topk_weights.dtype}; it must be float32. Convert with "
+                             "topk_weights.float() (Megatron: --moe-router-dtype fp32).")
         if tuple(topk_weights.shape) != tuple(topk_idx.shape):
-            return ValueError(
-                f"topk_weights has shape {tuple(topk_weights.shape)}; it must match topk_idx "
-                f"{tuple(topk_idx.shape)}."
-            )
+            return ValueError(f"topk_weights has shape {tuple(topk_weights.shape)}; it must match topk_idx "
+                              f"{tuple(topk_idx.shape)}.")
         if topk_weights.device != data.device:
             return ValueError(f"topk_weights is on {topk_weights.device} but x is on {data.device}.")
-
     if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % group_size:
-        return ValueError(
-            f"num_experts={num_experts} must be a positive multiple of the expert-parallel group size "
-            f"{group_size} so that every rank hosts the same number of experts."
-        )
+        return ValueError(f"num_experts={num_experts} must be a positive multiple of the expert-parallel group size "
+                          f"{group_size} so that every rank hosts the same number of experts.")
     if not isinstance(expert_alignment, int) or expert_alignment < 1:
         return ValueError(f"expert_alignment={expert_alignment!r} must be an integer >= 1 (1 = no padding).")
     if zero_padding and layout is not ExpertLayout.EXPAND:
         return ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
     if num_max_tokens_per_rank is not None and num_tokens > num_max_tokens_per_rank:
-        return ValueError(
-            f"This rank dispatches {num_tokens} tokens but num_max_tokens_per_rank={num_max_tokens_per_rank}. "
-            "Raise num_max_tokens_per_rank (MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to at least the largest "
-            "per-rank token count; it must be the same on every rank."
-        )
-    if check_values:
-        return check_expert_ids(topk_idx, num_experts)
-    return None
+        return ValueError(f"This rank dispatches {num_tokens} tokens but num_max_tokens_per_rank="
+                          f"{num_max_tokens_per_rank}. Raise num_max_tokens_per_rank "
+                          "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to at least the largest per-rank token count; it "
+                          "must be the same on every rank.")
+    return check_expert_ids(topk_idx, num_experts) if check_values else None
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
@@ -366,53 +331,32 @@ def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
     torch._assert_async(ok, _BAD_IDS_MESSAGE)
 
 
-def check_combine_inputs(
-    x: torch.Tensor,
-    handle: DispatchHandle,
-    topk_weights: Optional[torch.Tensor],
-) -> Optional[Exception]:
-    """Checks combine arguments against the handle of the dispatch being reversed.
-
-    Args:
-        x: Rows in the receive layout of ``handle``.
-        handle: Dispatch handle (its backend's static limits apply).
-        topk_weights: Optional weights in the receive layout.
+def check_combine_inputs(x: torch.Tensor, handle: DispatchHandle,
+                         topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
+    """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply).
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None.
     """
     if not isinstance(handle, DispatchHandle):
         return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
-    limits = handle.backend.limits
+    limits, rows = handle.backend.limits, handle.num_recv_rows
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         return ValueError(f"combine input must be a 2-D tensor [rows, hidden]; got {shape}.")
-    if x.shape[0] != handle.num_recv_rows:
-        return ValueError(
-            f"combine input has {x.shape[0]} rows but the dispatch delivered {handle.num_recv_rows} "
-            f"({handle.layout.value} layout); pass rows in the dispatch's receive layout."
-        )
+    if x.shape[0] != rows:
+        return ValueError(f"combine input has {x.shape[0]} rows but the dispatch delivered {rows} "
+                          f"({handle.layout.value} layout); pass rows in the dispatch's receive layout.")
     if x.dtype not in limits.combine_dtypes:
-        return TypeError(
-            f"combine input has dtype {x.dtype}; this backend combines {_dtype_names(limits.combine_dtypes)}. "
-            "Cast with .to(torch.bfloat16)."
-        )
-    if limits.combine_hidden_multiple > 1 and x.shape[1] % limits.combine_hidden_multiple:
-        return ValueError(
-            f"combine hidden={x.shape[1]} is not a multiple of {limits.combine_hidden_multiple}, which this "
-            "backend requires."
-        )
-    if topk_weights is not None:
-        expected = (
-            (handle.num_recv_rows,)
-            if handle.layout is ExpertLayout.EXPAND
-            else (handle.num_recv_rows, handle.num_topk)
-        )
-        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != expected:
-            return ValueError(
-                f"combine topk_weights must be float32 of shape {expected}; got {topk_weights.dtype} "
-                f"{tuple(topk_weights.shape)}."
-            )
+        return TypeError(f"combine input has dtype {x.dtype}; this backend combines "
+                         f"{_dtype_names(limits.combine_dtypes)}. Cast with .to(torch.bfloat16).")
+    if x.shape[1] % limits.combine_hidden_multiple:
+        return ValueError(f"combine hidden={x.shape[1]} is not a multiple of {limits.combine_hidden_multiple}, which "
+                          "this backend requires.")
+    expected = (rows,) if handle.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
+    if topk_weights is not None and (topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != expected):
+        return ValueError(f"combine topk_weights must be float32 of shape {expected}; got {topk_weights.dtype} "
+                          f"{tuple(topk_weights.shape)}.")
     return None
 
 

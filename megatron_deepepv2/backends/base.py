@@ -1,34 +1,21 @@
 """The backend contract: what every dispatch/combine backend of this package implements.
 
-This module owns the vocabulary shared by the backends, the autograd ops and the Megatron manager:
-
 * :class:`BufferSpec` -- the shape key a communication buffer is built for;
-* :class:`Routing` and :class:`Streams` -- what a dispatch does and how it orders its streams, each a small
-  immutable tuple a caller builds once and passes on every call (so the call signature is written once, here);
-* :class:`DispatchHandle` -- what a dispatch leaves behind for combine and for a cached re-dispatch;
-* :class:`DispatchBackend` -- the abstract backend. One instance is one communication buffer bound to one
-  process group; constructing it is collective over that group.
+* :class:`Routing` and :class:`Streams` -- what a dispatch does and how it orders its streams: small tuples a caller
+  builds once and passes on every call (the call signature is written here, once);
+* :class:`DispatchHandle` -- what a dispatch leaves for combine and for a cached re-dispatch;
+* :class:`DispatchBackend` -- one communication buffer bound to one process group (built collectively).
 
-The semantics mirror ``deep_ep.ElasticBuffer`` (DeepEP 2.1.0):
-
-* **dispatch** sends every token to each rank that hosts at least one of its selected experts.
-  ``compact`` returns one row per (token, destination rank) in source-rank-major order, the token's
-  full top-k weights and its expert ids rewritten to local ids (``-1`` for experts of other ranks).
-  ``expand`` returns one row per (token, local expert) selection, grouped by local expert in ascending
-  order, each expert block padded to ``expert_alignment`` rows, with one weight per row (1-D).
-* **combine** is the transpose of dispatch: an *unweighted* sum over each token's destinations
-  (apply router probabilities before combine), returning ``[T, H]``. Weights passed to combine are
-  gathered back per top-k slot from the rank that owns the slot's expert.
-* **cached dispatch** repeats a dispatch's routing for new data (combine backward).
-* **host sync**: by default a dispatch waits on the host for the received row counts and returns outputs of
-  the exact size. With ``host_sync=False`` nothing waits: outputs are sized for the worst case from the buffer's
-  ``num_max_tokens_per_rank`` (:func:`~megatron_deepepv2.layout.worst_case_recv_rows`), valid rows come first, and
-  the valid extent and the per-expert counts stay on the device (:attr:`DispatchHandle.num_valid_rows`,
-  :attr:`DispatchHandle.tokens_per_expert`, computed when first asked for). The backends hand their tensors back
-  as they are: rows past the valid extent are unspecified (the ops clear them for callers that read them). Such a
-  dispatch can be captured in a CUDA graph.
-* **streams**: every call returns with the current stream ordered after its communication, whatever
-  :class:`Streams` says; ``async_finish`` / ``allocate_on_comm_stream`` only choose how DeepEP gets there.
+The semantics are ``deep_ep.ElasticBuffer``'s (DeepEP 2.1.0). **dispatch** sends every token to each rank hosting one
+of its experts: ``compact`` gives one row per (token, destination rank) in source-rank-major order with the token's
+full top-k weights and local expert ids (``-1`` for other ranks' experts); ``expand`` gives one row per (token, local
+expert) selection, grouped by local expert, each block padded to ``expert_alignment``, with 1-D weights. **combine**
+is its transpose, an *unweighted* sum over the token's destinations; weights passed to it come back per top-k slot
+from the rank owning the slot's expert. **cached dispatch** repeats a routing for new data (combine's backward).
+With host sync a dispatch waits on the host for exact sizes; without, outputs have the worst-case size
+(:func:`~megatron_deepepv2.layout.worst_case_recv_rows`), valid rows first, counts on the device and derived when
+first asked for; rows past the valid extent are unspecified (the ops clear them for callers that read them). Every
+call returns with the current stream ordered after its communication, whatever :class:`Streams` says.
 """
 
 from __future__ import annotations
@@ -54,10 +41,8 @@ class uninitialized_memory_fill_off:  # noqa: N801 - used like a function: `with
     """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block or a call, then restores it.
 
     Under ``torch.use_deterministic_algorithms(True)`` (Megatron's ``--deterministic-mode``) the flag makes every
-    ``torch.empty`` launch a fill kernel. DeepEP asserts at each dispatch/combine that the two are not both on
-    (the fills may overlap its communication streams); results never read uninitialised rows, so turning the
-    fill off around those calls keeps them reproducible. As a decorator it costs one check per call when
-    deterministic algorithms are off (the flag does nothing then).
+    ``torch.empty`` launch a fill kernel, and DeepEP asserts that the two are not both on (the fills may overlap its
+    communication streams); results never read uninitialised rows, so the fill goes off around DeepEP's calls.
     """
 
     __slots__ = ("_was_fill",)
@@ -72,7 +57,7 @@ class uninitialized_memory_fill_off:  # noqa: N801 - used like a function: `with
     def __call__(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not torch.are_deterministic_algorithms_enabled():
+            if not torch.are_deterministic_algorithms_enabled():  # the flag does nothing then
                 return fn(*args, **kwargs)
             with uninitialized_memory_fill_off():
                 return fn(*args, **kwargs)
@@ -82,7 +67,7 @@ class uninitialized_memory_fill_off:  # noqa: N801 - used like a function: `with
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """The shape key of a communication buffer; two dispatches can share a buffer when their specs are equal.
+    """The shape key of a communication buffer (dispatches with equal specs share one).
 
     Attributes:
         hidden: Hidden size ``H`` of the dispatched tokens.
@@ -163,10 +148,9 @@ SYNC = Streams()
 
 
 class DispatchHandle:
-    """What a dispatch leaves for the matching combine and for cached re-dispatches.
-
-    A plain attribute bag: the counts are derived when first asked for, so a dispatch whose caller never reads them
-    launches nothing for them. Keep it alive until the backward pass has used it; it holds device tensors.
+    """What a dispatch leaves for the matching combine and for cached re-dispatches: a plain attribute bag whose
+    counts are derived when first asked for (a caller that never reads them launches nothing for them). It holds
+    device tensors: keep it until the backward pass has used it.
 
     Attributes:
         backend: The backend instance (buffer) that dispatched; combine must use the same one.
@@ -230,15 +214,8 @@ class DispatchHandle:
 
 
 class DispatchOutput(NamedTuple):
-    """Result of a backend dispatch.
-
-    Attributes:
-        recv_x: Received hidden states (an FP8 pair when an FP8 pair was dispatched).
-        recv_topk_idx: Compact: ``[N, K]`` local expert ids, ``-1`` for other ranks' experts. Expand: None.
-        recv_topk_weights: Compact: ``[N, K]`` fp32 weights as sent. Expand: ``[N]`` fp32, one per row.
-            None when no weights were dispatched.
-        handle: The dispatch handle.
-    """
+    """Result of a backend dispatch: received rows (an FP8 pair if one was sent), compact ``[N, K]`` local expert ids
+    (expand: None), weights as sent (compact ``[N, K]``, expand ``[N]``; None if none were sent), the handle."""
 
     recv_x: HiddenStates
     recv_topk_idx: Optional[torch.Tensor]
@@ -254,11 +231,9 @@ class CombineOutput(NamedTuple):
 
 
 class DispatchBackend(ABC):
-    """A communication buffer that dispatches tokens to experts and combines them back.
-
-    Subclasses register under :attr:`name` (see :mod:`megatron_deepepv2.backends`). Construction is
-    collective over ``group``; so is :meth:`destroy`. Inputs reach the backend already checked
-    (:mod:`megatron_deepepv2.validation`).
+    """A communication buffer that dispatches tokens to experts and combines them back. Subclasses register under
+    :attr:`name` (:mod:`megatron_deepepv2.backends`); construction and :meth:`destroy` are collective over ``group``;
+    inputs arrive checked (:mod:`megatron_deepepv2.validation`).
 
     Args:
         group: Process group spanning the expert-parallel ranks.
