@@ -40,19 +40,20 @@ class DeepepV2Settings:
 
     Attributes:
         backend: ``"auto"``, ``"deepep"`` or ``"reference"``. An explicit choice never falls back.
-        layout: Receive layout used by the Megatron manager: ``expand`` (per-expert rows, aligned, no
-            permute) or ``compact`` (one row per token and rank, then Megatron's permute).
+        layout: Receive layout of Megatron layers: ``expand`` (per-expert rows, aligned, no permute), the only one
+            they take; ``compact`` makes a deepepv2 layer raise naming expand (direct calls choose theirs).
         num_max_tokens_per_rank: Token capacity of the buffer, the same on every rank, used as given (it sizes
             the worst-case buffers without host sync). None: the maximum over ranks of the first batch, rounded
             up to a power of two.
         validate: Run the checks that need data on the host (expert ids in range, no duplicate expert
             in a row) and agree on errors across ranks, so bad input raises on every rank. Costs a
             device-to-host sync and a small all-reduce per call: meant for tests and debugging.
-        check_ids: Check the expert ids of every dispatch without a host sync (each in ``[-1, num_experts)``, no
-            expert twice in one row): on CUDA one small kernel and a device-side assert (a bad id stops the
-            process instead of corrupting the exchange), on CPU a ValueError. ``validate`` replaces it with the
-            host-side check that names the token. The Megatron manager's ids come from ``torch.topk`` and are
-            valid by construction, so its layers skip this check (``validate`` still runs).
+        check_ids: Check the expert ids of every direct dispatch (each in ``[-1, num_experts)``, no expert twice in
+            one row). On CUDA one small kernel: with host sync its 4-byte flag is read on the host (the dispatch
+            waits there anyway) and a bad id raises a ValueError naming the token; without host sync a device-side
+            assert stops the process instead of corrupting the exchange. On CPU a ValueError. ``validate`` replaces
+            it with the agreed host-side check. The Megatron manager's ids come from ``torch.topk`` and are valid by
+            construction, so its layers skip this check (``validate`` still runs).
         growth_timeout_s: How long a rank whose batch exceeds the learnt token capacity waits for the other
             ranks to grow the buffer with it (they do when their batches exceed it too); past it, the rank raises
             naming the cause instead of waiting in a collective the others never join.
