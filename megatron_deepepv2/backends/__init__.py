@@ -24,7 +24,6 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     Routing,
     Streams,
-    uninitialized_memory_fill_off,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
 from megatron_deepepv2.backends.reference import ReferenceBackend
@@ -109,7 +108,6 @@ __all__ = [
     "backend_names",
     "register_backend",
     "resolve_backend",
-    "uninitialized_memory_fill_off",
     "align_up",
     "rows_past_valid",
     "worst_case_recv_rows",

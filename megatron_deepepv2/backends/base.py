@@ -20,10 +20,9 @@ call returns with the current stream ordered after its communication, whatever :
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,34 +34,6 @@ from megatron_deepepv2.layout import (  # noqa: F401 - re-exported: the contract
     rows_past_valid,
     worst_case_recv_rows,
 )
-
-
-class uninitialized_memory_fill_off:  # noqa: N801 - used like a function: `with ...()` / `@...()`
-    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block or a call, then restores it.
-
-    Under ``torch.use_deterministic_algorithms(True)`` (Megatron's ``--deterministic-mode``) the flag makes every
-    ``torch.empty`` launch a fill kernel, and DeepEP asserts that the two are not both on (the fills may overlap its
-    communication streams); results never read uninitialised rows, so the fill goes off around DeepEP's calls.
-    """
-
-    __slots__ = ("_was_fill",)
-
-    def __enter__(self) -> None:
-        self._was_fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False
-
-    def __exit__(self, *exc_info: Any) -> None:
-        torch.utils.deterministic.fill_uninitialized_memory = self._was_fill
-
-    def __call__(self, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if not torch.are_deterministic_algorithms_enabled():  # the flag does nothing then
-                return fn(*args, **kwargs)
-            with uninitialized_memory_fill_off():
-                return fn(*args, **kwargs)
-
-        return call
 
 
 @dataclass(frozen=True)

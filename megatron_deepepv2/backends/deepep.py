@@ -55,7 +55,6 @@ from megatron_deepepv2.backends.base import (
     DispatchOutput,
     Routing,
     Streams,
-    uninitialized_memory_fill_off,
 )
 from megatron_deepepv2.deepep_lines import (  # noqa: F401 - import_deep_ep: the backend's import, re-exported
     DEEPEP_2_1,
@@ -116,12 +115,24 @@ def _group_spans_nodes(group_size: int) -> bool:
     return group_size > per_node
 
 
-#: Entered around every DeepEP call while torch's deterministic algorithms are on (see the module docstring).
-_FILL_OFF = uninitialized_memory_fill_off()
-_NO_GUARD = contextlib.nullcontext()
+class _FillOff:
+    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block, then restores it."""
+
+    def __enter__(self) -> None:
+        self.was_fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+
+    def __exit__(self, *exc_info: Any) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self.was_fill
+
+
+_FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
 
 
 def _fill_guard() -> contextlib.AbstractContextManager:
+    """What every DeepEP call runs in: the fill off while torch's deterministic algorithms are on (DeepEP asserts
+    that the two are not both on: the fill kernels of ``torch.empty`` could overlap its communication; nothing here
+    reads uninitialised rows). With them off the flag does nothing, and nothing is changed."""
     return _FILL_OFF if torch.are_deterministic_algorithms_enabled() else _NO_GUARD
 
 
