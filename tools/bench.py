@@ -9,7 +9,8 @@ CUDA events after warm-up (DeepEP's JIT excluded), the median of ``--iters`` ite
 * ``raw_fwd_bwd``: the same four ElasticBuffer calls without our layer (the 1.05x target's denominator);
 * ``reference_fwd_bwd``: our ops on the reference backend (NCCL all_to_all_single);
 * ``path_<dispatcher>``: Megatron's dispatcher path (router -> dispatch stages -> identity experts ->
-  combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact (every other
+  combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact (a layer the
+  package or Megatron refuses to build is listed under the row's ``not_run`` with the reason; every other
   dispatcher, DeepEP v1 and hybridep included, side by side on model shapes: ``tools/compare_dispatchers.py``);
 * ``layer_<dispatcher>``: a full MoELayer (SequentialMLP experts) forward + backward (BF16 configs only);
 * ``layer_syncfree_*``: the deepepv2 MoELayer with :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`
@@ -31,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +43,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools import _bench  # noqa: E402
+from tools.bench_hot_path import _raw_buffer  # noqa: E402  (the one reader of the DeepEP backend's internals)
 
 logger = logging.getLogger("bench")
 
@@ -72,23 +74,9 @@ class LoggedTimes(dict):
             logger.info("   %-30s %10.1f us", key, value)
 
 
-def time_op(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """Median microseconds of ``fn`` over ``iters`` runs (after ``warmup``), the slowest rank's."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0)
-    median = torch.tensor([statistics.median(samples)], device="cuda")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return float(median.item())
+def time_op(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """Median CUDA-event microseconds of ``fn`` over ``--iters`` calls after ``--warmup``, the slowest rank's."""
+    return _bench.median_us(fn, args.iters, args.warmup, cuda=True)
 
 
 def nvlink_peak_gbs(num_bytes: int = 1 << 30, iters: int = 10) -> float:
@@ -106,14 +94,6 @@ def nvlink_peak_gbs(num_bytes: int = 1 << 30, iters: int = 10) -> float:
         gbs[0] = num_bytes * iters / (time.perf_counter() - start) / 1e9
     dist.all_reduce(gbs, op=dist.ReduceOp.MAX)
     return float(gbs.item())
-
-
-def make_inputs(cfg: BenchConfig, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(cfg.tokens, cfg.hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    scores = torch.rand(cfg.tokens, cfg.experts, device="cuda", generator=gen)
-    weights, idx = scores.topk(cfg.topk, dim=1)
-    return x, idx.contiguous(), weights.float().contiguous()
 
 
 def received_rows(idx: torch.Tensor, cfg: BenchConfig) -> tuple[float, float]:
@@ -134,9 +114,8 @@ def received_rows(idx: torch.Tensor, cfg: BenchConfig) -> tuple[float, float]:
 def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2 import buffers  # noqa: PLC0415
-    from megatron_deepepv2.backends import DeepEPBackend  # noqa: PLC0415
 
-    x, idx, w = make_inputs(cfg, seed=dist.get_rank())
+    x, idx, w = _bench.routed_tokens(cfg.tokens, cfg.hidden, cfg.experts, cfg.topk, seed=dist.get_rank())
     data = x
     if cfg.fp8:
         scales = torch.ones(cfg.tokens, cfg.hidden // 128, device="cuda")
@@ -145,14 +124,12 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
     with dv2.settings_override(num_sms=args.sms):
         out = dv2.dispatch(data, idx, w, cfg.experts, layout="expand", expert_alignment=128, zero_padding=True,
                            backend="deepep", num_max_tokens_per_rank=capacity)
-        buffer = out.handle.backend
-        assert isinstance(buffer, DeepEPBackend)
-        raw = buffer.buffer
+        raw, extra, _ = _raw_buffer(out.handle)
 
         def raw_dispatch():
             return raw.dispatch(data, topk_idx=idx, topk_weights=w, num_experts=cfg.experts,
                                 num_max_tokens_per_rank=capacity, expert_alignment=128, num_sms=args.sms,
-                                do_expand=True, do_zero_padding=True)
+                                do_expand=True, do_zero_padding=True, **extra)
 
         recv_x, _, recv_w, handle, _ = raw_dispatch()
         rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x)
@@ -167,7 +144,8 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
             # The four ElasticBuffer calls our ops make: dispatch, combine, cached dispatch, weighted combine.
             rx, _, rw, h, _ = raw_dispatch()
             raw.combine(rx, h)
-            grad_rows = raw.dispatch(grad_out, handle=h, num_sms=h.num_sms, do_expand=True, do_zero_padding=True)[0]
+            grad_rows = raw.dispatch(grad_out, handle=h, num_sms=h.num_sms, do_expand=True, do_zero_padding=True,
+                                     **extra)[0]
             raw.combine(grad_rows, h, topk_weights=rw)
 
         x_req = x.clone().requires_grad_(not cfg.fp8)
@@ -183,13 +161,13 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
             out_ = dv2.combine(rx, res.handle)
             out_.backward(grad_out)
 
-        results["raw_dispatch"] = time_op(raw_dispatch, args.iters, args.warmup)
-        results["raw_combine"] = time_op(raw_combine, args.iters, args.warmup)
+        results["raw_dispatch"] = time_op(raw_dispatch, args)
+        results["raw_combine"] = time_op(raw_combine, args)
         if not cfg.fp8:
-            results["raw_fwd_bwd"] = time_op(raw_fwd_bwd, args.iters, args.warmup)
-        results["ops_fwd_bwd"] = time_op(ops_fwd_bwd, args.iters, args.warmup)
+            results["raw_fwd_bwd"] = time_op(raw_fwd_bwd, args)
+        results["ops_fwd_bwd"] = time_op(ops_fwd_bwd, args)
         if not args.skip_reference:
-            results["reference_fwd_bwd"] = time_op(lambda: ops_fwd_bwd("reference"), args.iters, args.warmup)
+            results["reference_fwd_bwd"] = time_op(lambda: ops_fwd_bwd("reference"), args)
     logical_rows, remote_rows = received_rows(idx, cfg)
     dispatch_elem = 1 + 4 / 128 if cfg.fp8 else 2  # FP8 rows carry one fp32 scale per 128 values
     results["dispatch_logical_bytes"] = logical_rows * cfg.hidden * dispatch_elem
@@ -199,7 +177,12 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
     buffers.destroy_buffers()
 
 
-def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
+def bench_megatron(cfg: BenchConfig, args, results: dict) -> dict[str, str]:
+    """Megatron's dispatcher path and (unless ``--skip-layer``) the whole layer per dispatcher, into ``results``.
+
+    Returns:
+        The rows whose layer Megatron or the package refused to build, with the reason.
+    """
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, dispatcher_path_step  # noqa: PLC0415
 
@@ -208,11 +191,14 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
     x0 = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16)
     variants = [("alltoall", "alltoall", None), ("allgather", "allgather", None),
                 ("deepepv2_expand", "deepepv2", "expand"), ("deepepv2_compact", "deepepv2", "compact")]
+    not_run: dict[str, str] = {}
     for name, dispatcher, layout in variants:
         if layout:
             dv2.configure(layout=layout, backend="deepep", num_sms=args.sms,
                           num_max_tokens_per_rank=cfg.tokens)
-        layer = build_moe_layer(shape, dispatcher, seed=3)
+        layer = _bench.build_or_reason(name, lambda: build_moe_layer(shape, dispatcher, seed=3), not_run)
+        if layer is None:
+            continue
         x = x0.clone().requires_grad_()
 
         def path():
@@ -222,11 +208,13 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> None:
             y, _ = layer(x)
             y.backward(torch.ones_like(y))
 
-        results[f"path_{name}"] = time_op(path, args.iters, args.warmup)
+        results[f"path_{name}"] = time_op(path, args)
         if not args.skip_layer:
-            results[f"layer_{name}"] = time_op(whole_layer, args.iters, args.warmup)
+            results[f"layer_{name}"] = time_op(whole_layer, args)
         layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
+    dv2.configure(layout="expand")
+    return not_run
 
 
 def _time_layer_graph(layer, x, grad, args) -> float:
@@ -235,7 +223,7 @@ def _time_layer_graph(layer, x, grad, args) -> float:
     from megatron_deepepv2.testing.moe_model import capture_layer_step  # noqa: PLC0415
 
     graph, _ = capture_layer_step(layer, x, grad)
-    elapsed = time_op(graph.replay, args.iters, args.warmup)
+    elapsed = time_op(graph.replay, args)
     del graph
     return elapsed
 
@@ -263,7 +251,7 @@ def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
     for name, no_host_sync in (("layer_syncfree_host_sync", False), ("layer_syncfree_no_host_sync", True)):
         dv2.configure(no_host_sync=no_host_sync, **common)
         layer = build_moe_layer(shape, "deepepv2", seed=3, sync_free_experts=True)
-        results[name] = time_op(eager(layer), args.iters, args.warmup)
+        results[name] = time_op(eager(layer), args)
         if no_host_sync and not args.skip_graph:
             results["layer_syncfree_graph"] = _time_layer_graph(layer, x0.clone().requires_grad_(), grad, args)
         layer = None  # free the layer (and its buffer references) before the next variant
@@ -277,7 +265,7 @@ def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
                                           moe_shared_expert_overlap=overlap))
         dv2.configure(**common)
         layer = build_moe_layer(shared, "deepepv2", seed=3)
-        results[name] = time_op(eager(layer), args.iters, args.warmup)
+        results[name] = time_op(eager(layer), args)
         layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
 
@@ -286,24 +274,23 @@ def bench_sm_sweep(cfg: BenchConfig, args) -> list[dict]:
     """Raw ElasticBuffer dispatch / combine (expand, BF16) per SM count; bandwidth in remote GB/s."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
 
-    x, idx, w = make_inputs(cfg, seed=dist.get_rank())
+    x, idx, w = _bench.routed_tokens(cfg.tokens, cfg.hidden, cfg.experts, cfg.topk, seed=dist.get_rank())
     _, remote_rows = received_rows(idx, cfg)
     remote_bytes = remote_rows * cfg.hidden * 2
     out = dv2.dispatch(x, idx, w, cfg.experts, layout="expand", expert_alignment=128, zero_padding=True,
                        backend="deepep", num_max_tokens_per_rank=cfg.tokens)
-    raw = out.handle.backend.buffer
+    raw, extra, _ = _raw_buffer(out.handle)
     sweep = []
     for sms in args.sm_sweep:
         def dispatch():
             return raw.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=cfg.experts,
                                 num_max_tokens_per_rank=cfg.tokens, expert_alignment=128, num_sms=sms,
-                                do_expand=True, do_zero_padding=True)
+                                do_expand=True, do_zero_padding=True, **extra)
 
         recv_x, _, recv_w, handle, _ = dispatch()
         y = torch.ones(recv_x.shape[0], cfg.hidden, dtype=torch.bfloat16, device="cuda")
-        dispatch_us = time_op(dispatch, args.iters, args.warmup)
-        combine_us = time_op(lambda: raw.combine(y, handle, topk_weights=recv_w, num_sms=sms), args.iters,
-                             args.warmup)
+        dispatch_us = time_op(dispatch, args)
+        combine_us = time_op(lambda: raw.combine(y, handle, topk_weights=recv_w, num_sms=sms), args)
         sweep.append({"sms": sms, "dispatch_us": dispatch_us, "combine_us": combine_us,
                       "dispatch_remote_GBs": remote_bytes / dispatch_us / 1e3,
                       "combine_remote_GBs": remote_bytes / combine_us / 1e3})
@@ -349,27 +336,20 @@ def summarise(cfg: BenchConfig, r: dict, peak: float) -> dict:
     return s
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def plot(document: dict, path: str) -> None:
+    """Bars of every timed row per configuration, in ms (0: not run)."""
+    rows = document["rows"]
     keys = ["path_alltoall", "path_allgather", "path_deepepv2_expand", "path_deepepv2_compact",
             "layer_alltoall", "layer_deepepv2_expand", "layer_syncfree_host_sync", "layer_syncfree_no_host_sync",
             "layer_syncfree_graph", "layer_shared_serial", "layer_shared_overlap", "ops_fwd_bwd", "raw_fwd_bwd",
             "reference_fwd_bwd"]
-    fig, ax = plt.subplots(figsize=(12, 5))
-    width = 0.8 / len(keys)
-    for k, key in enumerate(keys):
-        values = [row["times_us"].get(key, 0) / 1000 for row in rows]
-        ax.bar([i + k * width for i in range(len(rows))], values, width, label=key)
-    ax.set_xticks([i + 0.4 for i in range(len(rows))], [row["config"] for row in rows], rotation=15, fontsize=8)
+    fig, ax = _bench.new_figure(12, 5)
+    _bench.grouped_bars(ax, [row["config"] for row in rows],
+                        {key: [row["times_us"].get(key, 0) / 1000 for row in rows] for key in keys}, fontsize=7,
+                        legend_columns=3)
     ax.set_ylabel("ms (median, forward + backward where applicable)")
     ax.set_title("deepepv2 benchmark (lower is better)")
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _bench.save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -395,11 +375,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    with _bench.process_group("nccl") as rank:
+        _bench.setup_logging(rank)
+        run(args)
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Every configuration, the Megatron rows and the SM sweep, in a process group; rank 0 writes the outputs."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
 
@@ -416,14 +399,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         logger.info("== %s", cfg.label)
         times: dict = LoggedTimes()
         bench_ops(cfg, args, times)
+        not_run: dict[str, str] = {}
         if not args.skip_megatron and not fp8:
-            bench_megatron(cfg, args, times)
+            not_run = bench_megatron(cfg, args, times)
             if not args.skip_features:
                 bench_sync_free_and_overlap(cfg, args, times)
         summary = summarise(cfg, times, peak)
         rows.append({"config": cfg.label, **asdict(cfg), "sms": args.sms,
                      "times_us": {k: v for k, v in times.items() if not k.endswith("_bytes")},
-                     "bytes": {k: v for k, v in times.items() if k.endswith("_bytes")}, "summary": summary})
+                     "bytes": {k: v for k, v in times.items() if k.endswith("_bytes")}, "summary": summary,
+                     "not_run": not_run})
         for key, value in summary.items():
             logger.info("   %-34s %8.3f", key, value)
     sm_sweep, knee = [], None
@@ -434,19 +419,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         knee = sm_knee(sm_sweep)
         logger.info("   bandwidth within 5%% of the best from %d SMs on", knee)
     if dist.get_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump({"nvlink_peak_GBs": peak, "world_size": dist.get_world_size(),
-                       "device": torch.cuda.get_device_name(), "rows": rows,
-                       "sm_sweep": sm_sweep, "sm_knee": knee}, f, indent=2)
-        try:
-            plot(rows, os.path.join(args.out, "bench.png"))
-        except ImportError:
-            logger.warning("matplotlib missing: no plot")
-        logger.info("wrote %s", os.path.join(args.out, "bench.json"))
+        _bench.write_outputs(args.out, "bench", {"nvlink_peak_GBs": peak, "world_size": dist.get_world_size(),
+                                                 "device": torch.cuda.get_device_name(), "rows": rows,
+                                                 "sm_sweep": sm_sweep, "sm_knee": knee}, plot)
     dv2.destroy_buffers()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

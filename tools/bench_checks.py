@@ -9,7 +9,9 @@ the median over CUDA-event-timed batches of calls; host time is the wall time pe
 that it measures launching, not waiting. Each cost is stated against a reference dispatch + combine time
 (``--reference-us``, default: forward dispatch + combine of our ops on 2x H200 at T4096 H4096 E64 top-8 BF16
 expand, docs/benchmarks.md) and the same ops forward + backward (``--fwd-bwd-us``); the check runs once per
-dispatch forward. Prints progress, writes ``bench_checks.json`` and ``bench_checks.png`` to ``--out``::
+dispatch forward. The launch times compare with ``launch_costs_us``, the host cost of a bare eager launch, a Triton
+launch, an event record and a stream wait on the same machine, timed first. Prints progress, writes
+``bench_checks.json`` and ``bench_checks.png`` to ``--out``::
 
     python tools/bench_checks.py --out bench_out
 """
@@ -17,14 +19,15 @@ dispatch forward. Prints progress, writes ``bench_checks.json`` and ``bench_chec
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
 import sys
-import time
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools import _bench  # noqa: E402
 
 logger = logging.getLogger("bench_checks")
 
@@ -43,41 +46,34 @@ def _routing(num_tokens: int, num_experts: int, top_k: int):
     return scores.topk(top_k, dim=1).indices.contiguous()
 
 
-def _device_us(fn, repeats: int, calls: int) -> float:
-    """GPU time per call: the calls are queued behind matmuls, so they run back to back, not at launch speed."""
+def _keep_gpu_busy(matmuls: int) -> None:
+    """Queues ``matmuls`` 8192^3 BF16 matrix products (about 1.4 ms each on an H200) on the current stream."""
     import torch
 
     busy = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(matmuls):
+        busy @ busy
+
+
+def _device_us(fn: _bench.Step, repeats: int, calls: int) -> float:
+    """GPU time per call: the calls are queued behind matmuls, so they run back to back, not at launch speed."""
     times = []
     for _ in range(repeats):
-        for _ in range(6):  # ~8 ms of GPU work, longer than launching the calls
-            busy @ busy
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
+        _keep_gpu_busy(6)  # ~8 ms of GPU work, longer than launching the calls
+        times.append(_bench.event_us(fn, calls))
     return statistics.median(times)
 
 
-def _host_us(fn, calls: int) -> float:
-    import torch
-
-    busy = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    for _ in range(3):
-        busy @ busy  # keeps the GPU busy so that launches never wait
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - started
-    torch.cuda.synchronize()
-    return elapsed * 1e6 / calls
+def _host_us(fn: _bench.Step, calls: int) -> float:
+    """Host time per call to launch ``calls`` calls while the GPU is busy, so that launches never wait."""
+    _bench.cuda_synchronize()
+    _keep_gpu_busy(3)
+    elapsed = _bench.host_us(fn, calls)  # no synchronisation before the clock: it would wait the matmuls out
+    _bench.cuda_synchronize()
+    return elapsed
 
 
-def measure(args) -> dict:
+def measure(args: argparse.Namespace) -> dict:
     """Runs every shape; returns the JSON document."""
     import torch
 
@@ -121,7 +117,8 @@ def measure(args) -> dict:
             "kernel_launch_host_us": _host_us(kernel_only, args.calls),
             "assert_launch_host_us": _host_us(assert_only, args.calls),
             "static_checks_host_us": _host_us(static_checks, args.calls),
-            "validate_check_wall_us": _host_us_synced(host_check, args.calls // 10),
+            # The host check synchronises by itself: its host time is its wall time.
+            "validate_check_wall_us": _bench.host_us(host_check, max(args.calls // 10, 1), _bench.cuda_synchronize),
         }
         # On the critical path: the host time to launch (the GPU runs the kernels while the host goes on) unless the
         # GPU time is larger.
@@ -142,36 +139,20 @@ def measure(args) -> dict:
             "reference_us": args.reference_us, "fwd_bwd_us": args.fwd_bwd_us, "rows": rows}
 
 
-def _host_us_synced(fn, calls: int) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(max(calls, 1)):
-        fn()
-    return (time.perf_counter() - started) * 1e6 / max(calls, 1)
-
-
 def plot(document: dict, path: str) -> None:
     """Bars of the default checks' cost per shape against the reference dispatch + combine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = document["rows"]
     labels = [f"T{r['tokens']}\nE{r['experts']} k{r['top_k']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = _bench.new_figure(8, 4)
     ax.bar(labels, [r["default_checks_pct_of_reference"] for r in rows], color="tab:blue")
     ax.axhline(2.0, color="tab:red", linestyle="--", label="target 2%")
     ax.set_ylabel(f"% of a {document['reference_us']:.0f} us dispatch + combine")
     ax.set_title(f"Default input checks of a dispatch ({document['device']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _bench.save_figure(fig, path)
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--repeats", type=int, default=20)
@@ -180,19 +161,14 @@ def main() -> int:
                         help="forward dispatch + combine to compare with (us)")
     parser.add_argument("--fwd-bwd-us", type=float, default=DEFAULT_FWD_BWD_US,
                         help="dispatch + combine forward and backward to compare with (us)")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    import torch
-
-    if not torch.cuda.is_available():
-        logger.error("needs a CUDA GPU")
-        return 1
-    os.makedirs(args.out, exist_ok=True)
-    document = measure(args)
-    with open(os.path.join(args.out, "bench_checks.json"), "w") as out:
-        json.dump(document, out, indent=2)
-    plot(document, os.path.join(args.out, "bench_checks.png"))
-    logger.info("wrote %s/bench_checks.json and .png", args.out)
+    args = parser.parse_args(argv)
+    _bench.setup_logging()
+    _bench.require_cuda(parser)
+    document: dict[str, Any] = {"launch_costs_us": _bench.launch_costs_us()}
+    logger.info("host cost per call: %s", ", ".join(f"{name} {value:.2f} us"
+                                                     for name, value in document["launch_costs_us"].items()))
+    document.update(measure(args))
+    _bench.write_outputs(args.out, "bench_checks", document, plot)
     return 0
 
 

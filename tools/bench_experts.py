@@ -26,7 +26,6 @@ Prints progress, checks the outputs against ``SequentialMLP``, writes ``bench_ex
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -34,13 +33,11 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench import time_op  # noqa: E402  (tools/bench.py)
+from tools import _bench  # noqa: E402
 
 logger = logging.getLogger("bench_experts")
 
@@ -159,7 +156,7 @@ def bench_shape(shape: ExpertShape, args) -> dict:
     times: dict[str, float] = {}
 
     def timed(name: str, fn) -> None:
-        times[name] = time_op(fn, args.iters, args.warmup) / 1000.0
+        times[name] = _bench.median_us(fn, args.iters, args.warmup, cuda=True) / 1000.0
         logger.info("   %-22s %8.3f ms", name, times[name])
 
     sync_free = build_experts("sync_free", shape)
@@ -224,25 +221,16 @@ def bench_shape(shape: ExpertShape, args) -> dict:
     return row
 
 
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def plot(document: dict, path: str) -> None:
+    """Bars of each variant's time per shape, with their values."""
+    rows = document["rows"]
     keys = ["sequential_mlp", "sync_free_exact", "sync_free_worst_case", "grouped_gemm_pair"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(keys)
-    for k, key in enumerate(keys):
-        values = [row["times_ms"].get(key, 0.0) for row in rows]
-        bars = ax.bar([i + k * width for i in range(len(rows))], values, width, label=key)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [row["config"] for row in rows])
+    fig, ax = _bench.new_figure(9, 4.5)
+    _bench.grouped_bars(ax, [row["config"] for row in rows],
+                        {key: [row["times_ms"].get(key, 0.0) for row in rows] for key in keys}, value_format="%.2f")
     ax.set_ylabel("ms, forward + backward (median)")
     ax.set_title("Expert compute on one H200 (BF16; lower is better)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _bench.save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -253,23 +241,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="first shape only, fewer iterations")
     parser.add_argument("--skip-sequential", action="store_true", help="do not time SequentialMLP (slow)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    _bench.setup_logging()
+    _bench.require_cuda(parser)
     if args.quick:
         args.iters, args.warmup = 5, 2
-    os.makedirs(args.out, exist_ok=True)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    rows = []
-    for shape in SHAPES[:1] if args.quick else SHAPES:
-        rows.append(bench_shape(shape, args))
-        with open(os.path.join(args.out, "bench_experts.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    plot(rows, os.path.join(args.out, "bench_experts.png"))
-    logger.info("wrote %s", os.path.join(args.out, "bench_experts.json"))
-    dist.destroy_process_group()
+    with _bench.process_group("nccl"):
+        document = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+        shapes = SHAPES[:1] if args.quick else SHAPES
+        for number, shape in enumerate(shapes, 1):
+            document["rows"].append(bench_shape(shape, args))
+            _bench.write_outputs(args.out, "bench_experts", document, plot if number == len(shapes) else None)
     return 0
 
 

@@ -27,18 +27,17 @@ Prints progress and writes ``bench_fp8.json`` and, where matplotlib is, ``bench_
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.compare_dispatchers import MODELS, time_call  # noqa: E402
+from tools import _bench  # noqa: E402
+from tools.compare_dispatchers import MODELS  # noqa: E402
 
 logger = logging.getLogger("bench_fp8")
 
@@ -60,8 +59,12 @@ def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) 
     weights = torch.rand(tokens, model.topk, generator=gen).to(device)
     pair = fp8.quantize_e4m3_1x128(x)
     capacity = max(args.tokens)
-    quantize_us = time_call(lambda: fp8.quantize_e4m3_1x128(x), args.iters, args.warmup, cuda)
-    quantize_torch_us = time_call(lambda: fp8.quantize_e4m3_1x128_torch(x), args.iters, args.warmup, cuda)
+
+    def time_call(fn: _bench.Step) -> float:
+        return _bench.median_us(fn, args.iters, args.warmup, cuda=cuda)
+
+    quantize_us = time_call(lambda: fp8.quantize_e4m3_1x128(x))
+    quantize_torch_us = time_call(lambda: fp8.quantize_e4m3_1x128_torch(x))
     bf16_bytes = x.numel() * x.element_size()
     fp8_bytes = pair[0].numel() * pair[0].element_size() + pair[1].numel() * pair[1].element_size()
     rows = []
@@ -75,11 +78,9 @@ def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) 
         recv_rows = received[0].shape[0]
         row = {"model": model_name, "hidden": model.hidden, "tokens": tokens, "layout": layout,
                "recv_rows": recv_rows, "quantize_us": quantize_us, "quantize_torch_us": quantize_torch_us,
-               "dequantize_us": time_call(lambda: fp8.dequantize_e4m3_1x128(*received), args.iters, args.warmup,
-                                          cuda),
-               "dequantize_torch_us": time_call(lambda: fp8.dequantize_e4m3_1x128_torch(*received), args.iters,
-                                                args.warmup, cuda),
-               "dispatch_combine_us": time_call(dispatch_and_combine, args.iters, args.warmup, cuda),
+               "dequantize_us": time_call(lambda: fp8.dequantize_e4m3_1x128(*received)),
+               "dequantize_torch_us": time_call(lambda: fp8.dequantize_e4m3_1x128_torch(*received)),
+               "dispatch_combine_us": time_call(dispatch_and_combine),
                "bf16_bytes": bf16_bytes, "fp8_bytes": fp8_bytes, "backend": dv2.get_settings().backend}
         row["overhead"] = (row["quantize_us"] + row["dequantize_us"]) / row["dispatch_combine_us"]
         # Bytes moved through memory: BF16 in, FP8 + scales out (quantise); the reverse on the received rows.
@@ -95,36 +96,18 @@ def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) 
     return rows
 
 
-def plot(rows: list[dict], path: str, where: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def plot(document: dict, path: str) -> None:
+    """Bars of the quantise + dequantise time per row, as a share of the BF16 dispatch + combine."""
+    rows = document["rows"]
     labels = [f"{r['model']}\nT{r['tokens']} {r['layout']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    fig, ax = _bench.new_figure(max(6, 1.6 * len(rows)), 4.5)
     ax.bar(labels, [100 * r["overhead"] for r in rows], color="tab:purple")
     ax.axhline(10, color="gray", linestyle="--", linewidth=1, label="10% target")
     ax.set_ylabel("quantise + dequantise, % of BF16 dispatch + combine")
-    ax.set_title(f"FP8 dispatch overhead ({where})", fontsize=10)
+    ax.set_title(f"FP8 dispatch overhead ({document.get('device', '')})", fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def write_outputs(rows: list[dict], out: str, meta: dict) -> None:
-    """Writes ``bench_fp8.json``, then ``bench_fp8.png`` where matplotlib is installed."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench_fp8.json"), "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
-    logger.info("wrote %s/bench_fp8.json", out)
-    try:
-        plot(rows, os.path.join(out, "bench_fp8.png"), meta.get("device", ""))
-    except ImportError as error:
-        logger.warning("no plot: %s. pip install 'megatron-deepepv2[bench]' (matplotlib) for it.", error)
-        return
-    logger.info("wrote %s/bench_fp8.png", out)
+    _bench.save_figure(fig, path)
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -141,29 +124,22 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    _bench.setup_logging()
     cuda = not args.cpu and torch.cuda.is_available()
-    from megatron_deepepv2._dist import free_port  # noqa: PLC0415
+    with _bench.process_group("nccl" if cuda else "gloo"):
+        import megatron_deepepv2 as dv2  # noqa: PLC0415
 
-    if cuda:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-    else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    import megatron_deepepv2 as dv2  # noqa: PLC0415
-
-    if not cuda:
-        dv2.configure(backend="reference")
-    try:
-        rows = []
-        for model_name in args.models:
-            for tokens in args.tokens:
-                rows.extend(measure(model_name, tokens, args, cuda))
-        write_outputs(rows, args.out, {"device": torch.cuda.get_device_name() if cuda else "cpu", "ep": 1})
-    finally:
-        dv2.destroy_buffers()
-        dist.destroy_process_group()
+        if not cuda:
+            dv2.configure(backend="reference")
+        try:
+            rows = []
+            for model_name in args.models:
+                for tokens in args.tokens:
+                    rows.extend(measure(model_name, tokens, args, cuda))
+            document = {"device": torch.cuda.get_device_name() if cuda else "cpu", "ep": 1, "rows": rows}
+            _bench.write_outputs(args.out, "bench_fp8", document, plot)
+        finally:
+            dv2.destroy_buffers()
     return 0
 
 

@@ -12,8 +12,9 @@ variants round by round, and reports the median and the minimum microseconds per
 * ``ops_config_no_id_check``: the same with the default expert-id check off (``check_ids=False``; trees that
   predate the check have none), which tells the check's cost from the rest;
 * ``ops_megatron_config``: ``DispatchConfig`` as the Megatron manager resolves it: other ranks' weights not zeroed
-  (``mask_foreign_weights=False``: its multihot conversion ignores them) and no id check (``check_ids=False``: its ids
-  come from ``torch.topk``, valid by construction);
+  (``mask_foreign_weights=False``: its multihot conversion ignores them), no id check (``check_ids=False``: its ids
+  come from ``torch.topk``, valid by construction) and, on trees that have the switch, no clearing of the rows past
+  the valid ones (``clear_tail=False``);
 * ``backend_floor``: two minimal autograd functions that call the zero-cost backend's contract directly, with
   none of the package's configuration, checks, buffer lookup or handle records: the least any dispatch + combine
   over this backend costs, ours or not;
@@ -45,28 +46,91 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import gc
-import inspect
 import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
+
+#: This checkout: its ``tools`` are imported from here; its package is measured unless ``--tree`` names another.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tools import _bench  # noqa: E402  (imports no package: another checkout's may be measured)
 
 logger = logging.getLogger("bench_host_overhead")
 
 
-def _zero_cost_backend(base, handle_cls, outputs):
+def _zero_cost_backend(base: Any) -> type:
     """A backend that returns its inputs as its outputs: no communication, no copies, no tensor op (autograd
-    itself makes an output that is an input a view, as it must for any differentiable op)."""
-    DispatchBackend, BackendLimits, CompletedEvent = base
-    DispatchOutput, CombineOutput = outputs
+    itself makes an output that is an input a view, as it must for any differentiable op).
+
+    Written against the backend contract of the measured checkout: the current one (a :class:`Routing` and a
+    :class:`Streams` per call, counts asked of the backend) or the earlier one (keyword arguments per call, events
+    returned, counts carried by the handle).
+
+    Args:
+        base: The checkout's ``megatron_deepepv2.backends.base`` module.
+
+    Returns:
+        The backend class, registered as ``zero-cost`` by the caller.
+    """
+    if hasattr(base, "Routing"):
+        return _zero_cost_backend_on_routing(base)
+    return _zero_cost_backend_on_keywords(base)
+
+
+def _zero_cost_backend_on_routing(base: Any) -> type:
+    """:func:`_zero_cost_backend` for the contract of :class:`Routing` and :class:`Streams`."""
+    import torch
+
+    counts_by_shape: dict = {}
+
+    class ZeroCostBackend(base.DispatchBackend):
+        name = "zero-cost"
+        limits = base.BackendLimits(dispatch_dtypes=(torch.float32,), combine_dtypes=(torch.float32,))
+
+        def dispatch(self, x, topk_idx, topk_weights, routing, streams=base.SYNC):
+            local = routing.num_experts // self.group_size
+            handle = base.DispatchHandle(self, routing, None, x.shape[0], topk_idx.shape[1], x.shape[0])
+            # One rank holds every expert, so the global ids are the local ones: no op to rewrite them.
+            recv_idx = topk_idx if local == routing.num_experts else topk_idx.clamp(max=local - 1)
+            return base.DispatchOutput(x, recv_idx, topk_weights, handle)
+
+        def cached_dispatch(self, x, handle, topk_weights=None, streams=base.SYNC):
+            return base.DispatchOutput(x, None, topk_weights, handle)
+
+        def combine(self, x, handle, topk_weights=None, streams=base.SYNC):
+            return base.CombineOutput(x, topk_weights)
+
+        def _counts(self, handle) -> tuple[list[int], tuple]:
+            key = (handle.num_tokens, handle.routing.num_experts // self.group_size)
+            counts = counts_by_shape.get(key)
+            if counts is None:  # made once per shape: the backend itself costs nothing per call
+                tokens, local = key
+                host = [tokens] + [0] * (local - 1)
+                counts = counts_by_shape[key] = (host, (torch.tensor(host), torch.tensor(tokens)))
+            return counts
+
+        def device_counts(self, handle):
+            return self._counts(handle)[1]
+
+        def host_counts(self, handle):
+            return self._counts(handle)[0]
+
+    return ZeroCostBackend
+
+
+def _zero_cost_backend_on_keywords(base: Any) -> type:
+    """:func:`_zero_cost_backend` for the earlier contract: keyword arguments per call, events returned."""
+    DispatchBackend, BackendLimits, CompletedEvent = base.DispatchBackend, base.BackendLimits, base.CompletedEvent
+    DispatchOutput, CombineOutput, handle_cls = base.DispatchOutput, base.CombineOutput, base.DispatchHandle
     import torch
 
     handle_fields: dict = {}
@@ -153,8 +217,8 @@ def _backend_only_functions():
     class BackendDispatch(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, weights, call):
-            buffer, topk_idx, num_experts, layout, handles = call
-            out = buffer.dispatch(x, topk_idx, weights, num_experts=num_experts, layout=layout)
+            dispatch, handles = call  # dispatch(x, weights): the backend's dispatch in its contract's form
+            out = dispatch(x, weights)
             ctx.handle = out.handle
             handles.append(out.handle)
             return out.recv_x, out.recv_topk_weights
@@ -177,56 +241,50 @@ def _backend_only_functions():
     return BackendDispatch, BackendCombine
 
 
-def time_variants(variants: dict[str, Callable[[], None]], rounds: int, warmup: int, calls: int = 10,
-                  settle: int = 3) -> dict[str, dict[str, float]]:
-    """Microseconds per call of each variant: ``rounds`` rounds of ``calls`` calls, the variants interleaved round
-    by round, so that a machine that changes speed during the run slows them all alike.
-
-    Each round first runs ``settle`` untimed calls of the variant: the first calls after another variant's run
-    find their code and data out of the CPU's caches and cost several times a warm call, which would charge
-    whichever variant the previous one differs from most (a ~15 us bias on ten calls).
-
-    Returns:
-        Per variant, the ``median`` and the ``min`` over the rounds (the minimum is the cost without interference
-        from the rest of the machine; it is what the comparison uses).
-    """
-    for step in variants.values():
-        for _ in range(warmup):
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, step in variants.items():
-            for _ in range(settle):
-                step()
-            start = time.perf_counter()
-            for _ in range(calls):
-                step()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: {"median": statistics.median(values), "min": min(values)} for name, values in samples.items()}
+#: The calls per timed sample, and the untimed calls before each (see :func:`_bench.interleave`'s ``settle``: a
+#: ~15 us bias on ten calls without them).
+CALLS, SETTLE = 10, 3
+#: Variants that need no package, which every checkout therefore has (counting only these lists no checkout).
+PACKAGE_FREE_VARIANTS = ("autograd_floor", "bare_tensor_ops")
 
 
-def build_variants() -> dict[str, Callable[[], None]]:
-    """The steps to time, one per variant (see the module docstring), over the package on ``sys.path``; the last one
-    is ``bare_tensor_ops``, which the others' layer time is relative to."""
-    import torch
+@dataclasses.dataclass(frozen=True)
+class _StepInputs:
+    """The tensors every variant's step uses: 128 tokens, hidden 64, top-4 of 8 experts, FP32 on the CPU."""
+
+    x: Any
+    idx: Any
+    w: Any
+    upstream_grad: Any
+    experts: int
+
+    @classmethod
+    def make(cls) -> "_StepInputs":
+        import torch
+
+        tokens, hidden, experts, topk = 128, 64, 8, 4
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+        w = torch.rand(tokens, topk, generator=gen).requires_grad_()
+        # What the layer's output gets back from the model above it: a dense gradient (a loss's
+        # ``sum().backward()`` would hand back a stride-0 one, whose contiguous copy before the cached dispatch no
+        # model pays).
+        upstream_grad = torch.randn(tokens, hidden, generator=gen)
+        return cls(x, idx, w, upstream_grad, experts)
+
+
+def _package_variants(inputs: _StepInputs) -> dict[str, Callable[[], None]]:
+    """The variants that run the package on ``sys.path`` (those the checkout has) and ``backend_floor``."""
     import torch.distributed as dist
 
     import megatron_deepepv2 as dv2
     from megatron_deepepv2 import backends
     from megatron_deepepv2.backends import base
 
-    backend_cls = _zero_cost_backend((base.DispatchBackend, base.BackendLimits, base.CompletedEvent),
-                                     base.DispatchHandle, (base.DispatchOutput, base.CombineOutput))
-    backends.register_backend(backend_cls)
+    backends.register_backend(_zero_cost_backend(base))
     dv2.configure(validate=False)
-    tokens, hidden, experts, topk = 128, 64, 8, 4
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
-    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
-    w = torch.rand(tokens, topk, generator=gen).requires_grad_()
-    # What the layer's output gets back from the model above it: a dense gradient (a loss's ``sum().backward()``
-    # would hand back a stride-0 one, whose contiguous copy before the cached dispatch no model pays).
-    upstream_grad = torch.randn(tokens, hidden, generator=gen)
+    x, idx, w, upstream_grad, experts = (inputs.x, inputs.idx, inputs.w, inputs.upstream_grad, inputs.experts)
     group = dist.group.WORLD  # resolved once, as the Megatron manager holds its group
     kwargs = dict(layout="compact", backend="zero-cost", num_sms=0, host_sync=True, deterministic=False)
 
@@ -243,43 +301,79 @@ def build_variants() -> dict[str, Callable[[], None]]:
             # Without the default expert-id check (trees before it had none), to tell its cost from the rest.
             unchecked = dataclasses.replace(config, check_ids=False)
             variants["ops_config_no_id_check"] = lambda: step(config=unchecked)
-        resolve_parameters = inspect.signature(dv2.DispatchConfig.resolve).parameters
-        if "check_ids" in resolve_parameters:
-            # As the Megatron manager resolves it: its multihot conversion ignores other ranks' weights (not
-            # zeroed), its ids come from torch.topk (valid by construction, not checked).
-            megatron = dv2.DispatchConfig.resolve(**kwargs, mask_foreign_weights=False, check_ids=False)
+        manager_overrides = _bench.megatron_manager_overrides(dv2.DispatchConfig)
+        if "check_ids" in manager_overrides:  # trees before the id check have no manager configuration of their own
+            megatron = dv2.DispatchConfig.resolve(**kwargs, **manager_overrides)
             variants["ops_megatron_config"] = lambda: step(config=megatron)
     # The backend contract called directly: the least any dispatch + combine over this backend costs.
     buffer = dv2.dispatch(x, idx, w, experts, group=group, **kwargs).handle.backend
     backend_dispatch, backend_combine = _backend_only_functions()
-    layout = base.ExpertLayout.COMPACT
+    if hasattr(base, "Routing"):
+        routing = base.Routing(experts, base.ExpertLayout.COMPACT)
+
+        def dispatch(x_, w_):
+            return buffer.dispatch(x_, idx, w_, routing)
+    else:  # the earlier contract: the routing as keyword arguments
+
+        def dispatch(x_, w_):
+            return buffer.dispatch(x_, idx, w_, num_experts=experts, layout=base.ExpertLayout.COMPACT)
 
     def backend_floor() -> None:
         handles: list = []
-        recv_x, recv_w = backend_dispatch.apply(x, w, (buffer, idx, experts, layout, handles))
+        recv_x, recv_w = backend_dispatch.apply(x, w, (dispatch, handles))
         backend_combine.apply(recv_x * recv_w[:, :1], handles[0]).backward(upstream_grad)
 
     variants["backend_floor"] = backend_floor
-    # What any differentiable dispatch + combine pays in PyTorch: two identity autograd functions in their place.
+    return variants
+
+
+def _package_free_variants(inputs: _StepInputs) -> dict[str, Callable[[], None]]:
+    """:data:`PACKAGE_FREE_VARIANTS`: what PyTorch charges any differentiable dispatch + combine, and the step's own
+    tensor ops."""
+    x, w, upstream_grad = inputs.x, inputs.w, inputs.upstream_grad
     dispatch_fn, combine_fn = _identity_functions()
 
     def autograd_floor() -> None:
         recv_x, recv_w = dispatch_fn.apply(x, w, None)
         combine_fn.apply(recv_x * recv_w[:, :1], None, None).backward(upstream_grad)
 
-    variants["autograd_floor"] = autograd_floor
     # The same step without our layer: the two autograd-free tensor ops the step does itself.
-    variants["bare_tensor_ops"] = lambda: (x * w[:, :1]).backward(upstream_grad)
-    return variants
+    return {"autograd_floor": autograd_floor, "bare_tensor_ops": lambda: (x * w[:, :1]).backward(upstream_grad)}
 
 
-def measure(args) -> dict:
-    """Times every variant in this process; ``layer_min`` = a variant's minimum minus bare's."""
+def build_variants(only: Optional[Collection[str]] = None) -> dict[str, Callable[[], None]]:
+    """The steps to time, one per variant (see the module docstring), over the package on ``sys.path``; the last one
+    is ``bare_tensor_ops``, which the others' layer time is relative to.
+
+    Args:
+        only: Build only these (those of them the checkout has); None builds every variant. Asking for
+            :data:`PACKAGE_FREE_VARIANTS` alone imports no package (a callgrind run then spends no time on it).
+
+    Returns:
+        The steps by variant name, in the module docstring's order.
+    """
+    inputs = _StepInputs.make()
+    variants: dict[str, Callable[[], None]] = {}
+    if only is None or not set(only) <= set(PACKAGE_FREE_VARIANTS):
+        variants.update(_package_variants(inputs))
+    variants.update(_package_free_variants(inputs))
+    return variants if only is None else {name: step for name, step in variants.items() if name in only}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Times every variant in this process, interleaved, ``--iters`` rounds of :data:`CALLS` calls each.
+
+    Returns:
+        Per variant: the ``median`` and the ``min`` microseconds per step over the rounds (the minimum is the cost
+        without interference from the rest of the machine), and ``layer_min`` = its minimum minus bare's.
+    """
     import megatron_deepepv2 as dv2
 
     variants = build_variants()
     logger.info("timing %s, interleaved (package at %s)", ", ".join(variants), os.path.dirname(dv2.__file__))
-    results = time_variants(variants, args.iters, args.warmup)
+    samples = _bench.interleave(variants, lambda fn: _bench.wall_us(fn, CALLS), rounds=args.iters, warmup=args.warmup,
+                                settle=SETTLE)
+    results = {name: {"median": statistics.median(values), "min": min(values)} for name, values in samples.items()}
     bare = results["bare_tensor_ops"]["min"]
     for name, result in results.items():
         if name != "bare_tensor_ops":
@@ -290,18 +384,15 @@ def measure(args) -> dict:
 
 
 def plot(rows: dict, path: str, key: str = "layer_min") -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    """Bars of ``key`` per (label, variant): layer microseconds, or (``layer_instructions``) thousands of
+    instructions."""
     labels, values = [], []
     for label, result in rows.items():
         for variant, value in result.items():
             if key in value:
                 labels.append(f"{label}\n{variant}")
                 values.append(value[key] / 1000 if key == "layer_instructions" else value[key])
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    fig, ax = _bench.new_figure(max(6, 1.2 * len(labels)), 4)
     bars = ax.bar(range(len(values)), values)
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(values)), labels, fontsize=6, rotation=60, ha="right")
@@ -313,11 +404,25 @@ def plot(rows: dict, path: str, key: str = "layer_min") -> None:
         ax.set_ylabel("layer host us (dispatch + combine,\nforward + backward)", fontsize=9)
         ax.set_title("deepepv2 host time over a zero-cost backend (CPU; min over rounds [and processes] minus bare; "
                      "lower is better)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _bench.save_figure(fig, path)
 
 
-def compare_trees(trees: list[tuple[str, str]], processes: int, args) -> dict:
+def summarise_processes(samples: dict[str, dict[str, list[float]]]) -> dict:
+    """Per label and variant, the layer times of several processes summarised.
+
+    Args:
+        samples: Per label, per variant, the ``layer_min`` of each process, in process order.
+
+    Returns:
+        Per label, per variant: ``layer_min`` (the smallest over the processes), ``layer_median`` and
+        ``processes`` (the list).
+    """
+    return {label: {variant: {"layer_min": min(values), "layer_median": statistics.median(values),
+                              "processes": list(values)}
+                    for variant, values in variants.items()} for label, variants in samples.items()}
+
+
+def compare_trees(trees: list[tuple[str, str]], processes: int, args: argparse.Namespace) -> dict:
     """Runs this tool once per tree, ``processes`` times, alternating the trees, and keeps per tree and variant the
     smallest and the median layer time over the processes.
 
@@ -326,7 +431,7 @@ def compare_trees(trees: list[tuple[str, str]], processes: int, args) -> dict:
     slows every tree alike, and the smallest of the processes is each tree's cost without that interference.
 
     Returns:
-        Per label, per variant: ``layer_min`` (the smallest over the processes), ``layer_median`` and the list.
+        Per label, per variant: see :func:`summarise_processes`.
     """
     samples: dict[str, dict[str, list[float]]] = {label: {} for label, _ in trees}
     with tempfile.TemporaryDirectory() as scratch:
@@ -343,8 +448,7 @@ def compare_trees(trees: list[tuple[str, str]], processes: int, args) -> dict:
                     for variant, result in json.load(f)[label].items():
                         if "layer_min" in result:
                             samples[label].setdefault(variant, []).append(result["layer_min"])
-    rows = {label: {variant: {"layer_min": min(values), "layer_median": statistics.median(values), "processes": values}
-                    for variant, values in variants.items()} for label, variants in samples.items()}
+    rows = summarise_processes(samples)
     for label, variants in rows.items():
         for variant, result in variants.items():
             logger.info("%-10s %-24s layer: smallest %.1f us, median %.1f us over %d processes", label, variant,
@@ -352,11 +456,13 @@ def compare_trees(trees: list[tuple[str, str]], processes: int, args) -> dict:
     return rows
 
 
-def run_counted_steps(args) -> None:
+def run_counted_steps(args: argparse.Namespace) -> None:
     """Child of :func:`count_instructions`, running under callgrind with instrumentation off: warms up the variant
     ``args.count_variant``, then runs ``args.steps`` steps and ``3 * args.steps`` more, dumping the counts after
     each batch (``callgrind_control`` switches the instrumentation on and off around them)."""
-    variants = build_variants()
+    variants = build_variants({args.count_variant})
+    if args.count_variant not in variants:
+        raise SystemExit(f"--count-variant: {args.count_variant!r} is not a variant of this checkout")
     step = variants[args.count_variant]
     for _ in range(args.warmup):
         step()
@@ -391,13 +497,14 @@ def _dumped_instructions(path: str) -> int:
     raise RuntimeError(f"{path} holds no instruction total: is it a callgrind dump?")
 
 
-def count_instructions(trees: list[tuple[str, str]], args) -> dict:
+def count_instructions(trees: list[tuple[str, str]], args: argparse.Namespace) -> dict:
     """CPU instructions per step of every variant of every tree, counted by valgrind's callgrind.
 
     Unlike time, the count does not change with the machine's load or clock: it tells apart differences of a few
     percent that the timing's noise hides. Each (tree, variant) runs in its own process; only the steps are
     counted (between two dumps, ``steps`` and ``3 * steps`` steps after warm-up, so that what the dumps themselves
-    cost cancels), and a variant's ``layer_instructions`` is its count minus ``bare_tensor_ops``'s.
+    cost cancels), and a variant's ``layer_instructions`` is its count minus ``bare_tensor_ops``'s. Asked for
+    :data:`PACKAGE_FREE_VARIANTS` alone, it lists no checkout's variants (every checkout has those).
 
     Returns:
         Per label, per variant: ``instructions`` and ``layer_instructions`` per step.
@@ -409,8 +516,12 @@ def count_instructions(trees: list[tuple[str, str]], args) -> dict:
     jobs = []
     for label, tree in trees:
         tree_args = [] if tree == "." else ["--tree", tree]
-        listed = _run_child([sys.executable, tool, "--list-variants", *tree_args], f"listing the variants of {label}")
-        variants = json.loads(listed.splitlines()[-1])
+        if args.variants and set(args.variants) <= set(PACKAGE_FREE_VARIANTS):
+            variants = list(PACKAGE_FREE_VARIANTS)
+        else:
+            listed = _run_child([sys.executable, tool, "--list-variants", *tree_args],
+                                f"listing the variants of {label}")
+            variants = json.loads(listed.splitlines()[-1])
         if args.variants:
             unknown = sorted(set(args.variants) - set(variants))
             if unknown:
@@ -475,7 +586,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--list-variants", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--count-variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    _bench.setup_logging()
     if args.list_variants or args.count_variant:  # children of --instructions
         in_one_rank_group(args, lambda: print(json.dumps(list(build_variants()))) if args.list_variants
                           else run_counted_steps(args))
@@ -489,50 +600,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     for tree in [tree for _, tree in trees] + ([args.tree] if args.tree else []):
         if not os.path.isdir(os.path.join(tree, "megatron_deepepv2")):
             parser.error(f"{tree!r} is not a checkout of this package (it has no megatron_deepepv2/ folder)")
-    os.makedirs(args.out, exist_ok=True)
     name = "bench_host_instructions" if args.instructions else "bench_host_overhead"
     path = os.path.join(args.out, f"{name}.json")
-    rows = json.load(open(path)) if os.path.exists(path) else {}
+    rows = json.load(open(path)) if os.path.exists(path) else {}  # earlier labels are kept
     if args.instructions:
         rows.update(count_instructions(trees or [(args.label, args.tree or ".")], args))
     elif trees:
         rows.update(compare_trees(trees, args.processes, args))
     else:
         rows[args.label] = in_one_rank_group(args, lambda: measure(args))
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    logger.info("wrote %s", path)
-    if not args.no_plot:
-        try:
-            plot(rows, os.path.join(args.out, f"{name}.png"), "layer_instructions" if args.instructions else "layer_min")
-        except ImportError:
-            logger.warning("no PNG: matplotlib is missing (pip install 'megatron-deepepv2[bench]')")
+    key = "layer_instructions" if args.instructions else "layer_min"
+    _bench.write_outputs(args.out, name, rows, None if args.no_plot else functools.partial(plot, key=key))
     return 0
 
 
-def in_one_rank_group(args, work: Callable[[], Any]) -> Any:
-    """Runs ``work`` over the tree ``args.tree`` (default: this checkout) in this process, on a 1-rank gloo group."""
-    sys.path.insert(0, os.path.abspath(args.tree) if args.tree else os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+def in_one_rank_group(args: argparse.Namespace, work: Callable[[], Any]) -> Any:
+    """Runs ``work`` over the tree ``args.tree`` (default: this checkout) in this process, on a 1-rank gloo group
+    and one CPU thread."""
+    sys.path.insert(0, os.path.abspath(args.tree) if args.tree else ROOT)
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with _bench.process_group("gloo", one_rank=True):
         return work()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    # Not megatron_deepepv2._dist.free_port: this process may measure another checkout, whose package it imports
-    # only once the tree is on the path (and older trees lack that helper).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

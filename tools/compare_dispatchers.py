@@ -13,8 +13,8 @@ seed, so the same weights and routing) and reports:
   magnitude (``matches`` when within the tolerance of the dtype), so that a fast row is also a right one.
 
 Variants: Megatron's ``alltoall`` and ``allgather``; ``flex`` with ``deepep`` (DeepEP's v1 ``Buffer``) and
-``hybridep`` where megatron-core finds them (otherwise the row says why not); ``flex`` + ``deepepv2`` in the expand
-and compact layouts, with host sync, without host sync, and as a CUDA-graph replay. On GPUs deepepv2 runs on
+``hybridep`` where megatron-core finds them (otherwise the row says why not); ``flex`` + ``deepepv2`` (the expand
+layout, the one Megatron layers take) with host sync, without host sync, and as a CUDA-graph replay. On GPUs deepepv2 runs on
 ElasticBuffer (DeepEP v2); with ``--cpu`` (2 gloo processes, a smoke run of the tool itself) on the reference
 backend, in FP32, without the graph row.
 
@@ -28,12 +28,9 @@ Prints progress, writes ``compare_dispatchers.json``, ``compare_dispatchers.png`
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -41,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools import _bench  # noqa: E402
 
 logger = logging.getLogger("compare_dispatchers")
 
@@ -91,7 +90,6 @@ VARIANTS = [
     Variant("flex-deepep-v1", "deepep", needs="HAVE_DEEP_EP"),
     Variant("flex-hybridep", "hybridep", needs="HAVE_HYBRIDEP"),
     Variant("deepepv2-expand", "deepepv2", "expand"),
-    Variant("deepepv2-compact", "deepepv2", "compact"),
     Variant("deepepv2-expand-no-host-sync", "deepepv2", "expand", no_host_sync=True),
     Variant("deepepv2-expand-graph", "deepepv2", "expand", no_host_sync=True, graph=True),
 ]
@@ -109,31 +107,6 @@ def unavailable_reason(variant: Variant, cuda: bool) -> Optional[str]:
     if variant.graph and not cuda:
         return "CUDA-graph replay needs CUDA GPUs"
     return None
-
-
-def time_call(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    """Median microseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
-    if cuda:
-        from tools.bench import time_op  # noqa: PLC0415 - CUDA events, the benchmark's own timer
-
-        return time_op(fn, iters, warmup)
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        dist.barrier()
-        begin = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - begin) * 1e6)
-    slowest = torch.tensor([statistics.median(samples)])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
-
-
-def _max_over_ranks(value: float, cuda: bool) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device="cuda" if cuda else "cpu")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
 
 
 def _build_layer(variant: Variant, model: ModelShape, max_tokens: int, args: argparse.Namespace, cuda: bool):
@@ -176,6 +149,10 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
                  f"{str(error).splitlines()[0] if str(error) else ''}"} for tokens in tokens_list]
     dtype = next(layer.parameters()).dtype
     device = next(layer.parameters()).device
+
+    def time_call(fn: _bench.Step) -> float:
+        return _bench.median_us(fn, args.iters, args.warmup, cuda=cuda)
+
     rows = []
     for tokens in tokens_list:
         gen = torch.Generator().manual_seed(1000 * tokens + dist.get_rank())
@@ -188,25 +165,25 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         if not variant.graph:
-            row["path_us"] = time_call(lambda: dispatcher_path_step(layer, x), args.iters, args.warmup, cuda)
-            row["layer_us"] = time_call(lambda: layer_step(layer, x, grad), args.iters, args.warmup, cuda)
+            row["path_us"] = time_call(lambda: dispatcher_path_step(layer, x))
+            row["layer_us"] = time_call(lambda: layer_step(layer, x, grad))
             output = layer_step(layer, x, grad).detach()
         else:
             graph, static_output = capture_layer_step(layer, x, grad)
-            row["layer_us"] = time_call(graph.replay, args.iters, args.warmup, cuda)
+            row["layer_us"] = time_call(graph.replay)
             graph.replay()
             output = static_output.detach().clone()
             del graph
         if cuda:
             torch.cuda.synchronize()
-            row["peak_mib"] = _max_over_ranks((torch.cuda.max_memory_allocated() - before) / 2**20, cuda)
+            row["peak_mib"] = _bench.max_over_ranks((torch.cuda.max_memory_allocated() - before) / 2**20, cuda)
         if variant.dispatcher == "alltoall":
             references[tokens] = output
         elif tokens in references:
             reference = references[tokens]
             scale = float(reference.float().abs().max()) or 1.0
-            row["max_rel_diff"] = _max_over_ranks(float((output.float() - reference.float()).abs().max()) / scale,
-                                                  cuda)
+            row["max_rel_diff"] = _bench.max_over_ranks(
+                float((output.float() - reference.float()).abs().max()) / scale, cuda)
             row["matches"] = row["max_rel_diff"] <= (5e-2 if dtype == torch.bfloat16 else 1e-4)
         rows.append(row)
         logger.info("   %-30s T%-6d %s", variant.name, tokens, ", ".join(
@@ -275,45 +252,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, where: str = "") -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+def plot(document: dict, path: str) -> None:
+    """Bars of each variant's layer time per (model, tokens), in ms (0: not run)."""
+    rows = document["rows"]
+    where = f"{document.get('device', '')}, EP={document.get('world_size', '?')}"
     groups = sorted({(r["model"], r["tokens"]) for r in rows}, key=str)
-    names = [v.name for v in VARIANTS]
-    fig, ax = plt.subplots(figsize=(max(8, 2.5 * len(groups)), 5))
-    width = 0.8 / len(names)
-    for k, name in enumerate(names):
-        values = [next((r["layer_us"] / 1000 for r in rows if (r["model"], r["tokens"]) == g and r["variant"] == name
-                        and "layer_us" in r), 0.0) for g in groups]
-        ax.bar([i + k * width for i in range(len(groups))], values, width, label=name)
-    ax.set_xticks([i + 0.4 for i in range(len(groups))], [f"{m}\nT{t}" for m, t in groups], fontsize=8)
+    fig, ax = _bench.new_figure(max(8, 2.5 * len(groups)), 5)
+    series = {variant.name: [next((r["layer_us"] / 1000 for r in rows if (r["model"], r["tokens"]) == group
+                                   and r["variant"] == variant.name and "layer_us" in r), 0.0) for group in groups]
+              for variant in VARIANTS}
+    _bench.grouped_bars(ax, [f"{m}\nT{t}" for m, t in groups], series, fontsize=7, legend_columns=4)
     ax.set_ylabel("MoE layer forward + backward, ms (median; 0 = not run)")
-    ax.set_title(f"Dispatchers side by side{f' ({where})' if where else ''}, lower is better", fontsize=10)
-    ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.set_title(f"Dispatchers side by side ({where}), lower is better", fontsize=10)
+    _bench.save_figure(fig, path)
 
 
 def write_outputs(rows: list[dict], out: str, meta: dict) -> None:
-    """Writes the JSON and the markdown tables to ``out``, then the PNG (which needs matplotlib: the ``bench``
-    extra; without it the data are kept and a warning says how to get the plot)."""
+    """Writes the markdown tables, the JSON (``meta`` and the rows) and the PNG to ``out``."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "compare_dispatchers.json"), "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out, "compare_dispatchers.md"), "w") as f:
         f.write(markdown(rows))
-    logger.info("wrote %s/compare_dispatchers.{json,md}", out)
-    try:
-        plot(rows, os.path.join(out, "compare_dispatchers.png"),
-             f"{meta.get('device', '')}, EP={meta.get('world_size', '?')}")
-    except ImportError as error:
-        logger.warning("no plot: %s. pip install 'megatron-deepepv2[bench]' (matplotlib) and rerun, or plot "
-                       "compare_dispatchers.json yourself.", error)
-        return
-    logger.info("wrote %s/compare_dispatchers.png", out)
+    _bench.write_outputs(out, "compare_dispatchers", {**meta, "rows": rows}, plot)
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -343,8 +302,7 @@ def run_rank(rank: int, args: argparse.Namespace, cuda: bool, meta: dict) -> lis
         install_cpu_shims()
     dv2.install()
     init_expert_parallel()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s",
-                        datefmt="%H:%M:%S")
+    _bench.setup_logging(rank)
     return compare(args, cuda, (lambda rows: write_outputs(rows, args.out, meta)) if rank == 0 else None)
 
 
@@ -365,14 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         spawn_on_free_port(_cpu_worker, (args,), 2)
         return 0
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    try:
-        run_rank(dist.get_rank(), args, True, {"world_size": dist.get_world_size(),
-                                              "device": torch.cuda.get_device_name()})
-    finally:
-        dist.destroy_process_group()
+    with _bench.process_group("nccl") as rank:
+        run_rank(rank, args, True, {"world_size": dist.get_world_size(), "device": torch.cuda.get_device_name()})
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``tools/bench_hot_path.py`` on a CPU box: it refuses with the reason, and its outputs are written from any rows."""
+"""``tools/bench_hot_path.py`` on a CPU box: it refuses with the reason, its outputs are written from any rows, and its
+one reader of the DeepEP backend's internals finds the buffer, the extra dispatch arguments and the SM count."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_hot_path  # noqa: E402
+
+from tools import _bench  # noqa: E402
 
 
 def test_without_a_gpu_it_says_what_it_needs(tmp_path: Path) -> None:
@@ -23,13 +27,32 @@ def test_without_a_gpu_it_says_what_it_needs(tmp_path: Path) -> None:
 
 
 def test_outputs_hold_every_row_and_the_targets(tmp_path: Path) -> None:
-    times = {key: 100.0 + i for i, key in enumerate(
-        ["raw", "raw_no_host_sync", "ops_manager", "ops_defaults", "ops_no_host_sync", "graph_replay", "kernel_time"])}
-    rows = [{"label": bench_hot_path.HotPathConfig(4096, 4096).label, "layout": layout, "times_us": times}
-            for layout in bench_hot_path.LAYOUTS]
-    bench_hot_path.write_outputs({"targets": bench_hot_path.TARGETS, "rows": rows}, str(tmp_path))
+    times = {key: 100.0 + i for i, key in enumerate(bench_hot_path.VARIANTS)}
+    rows = [{"label": bench_hot_path.HotPathConfig(4096, 4096).label, "layout": layout, "times_us": times,
+             "ratios": bench_hot_path.ratios(times, bench_hot_path.TARGETS)} for layout in bench_hot_path.LAYOUTS]
+    result = {"targets": bench_hot_path.TARGETS, "rows": rows, "launch_costs_us": {"eager_launch": 4.5}}
+    _bench.write_outputs(str(tmp_path), bench_hot_path.NAME, result, bench_hot_path.plot)
     written = json.loads((tmp_path / "bench_hot_path.json").read_text())
     assert [row["layout"] for row in written["rows"]] == ["compact", "expand"]
-    assert written["targets"] == {"ops_manager/raw": 1.2, "ops_defaults/raw": 1.35,
-                                  "ops_no_host_sync/ops_manager": 1.05, "graph_replay/kernel_time": 1.1}
+    assert written["targets"] == {"ops_manager_streams/raw_autograd": 1.10, "ops_defaults/raw_autograd": 1.25,
+                                  "ops_no_host_sync/ops_manager": 1.00, "graph_replay/kernel_time": 1.1}
+    assert written["rows"][0]["ratios"]["ops_manager_streams/raw_autograd"] == times["ops_manager_streams"] / times[
+        "raw_autograd"]
+    assert written["launch_costs_us"] == {"eager_launch": 4.5}
     assert (tmp_path / "bench_hot_path.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_every_ratio_names_measured_variants() -> None:
+    for name in [*bench_hot_path.TARGETS, *bench_hot_path.REPORTED_RATIOS]:
+        numerator, denominator = name.split("/")
+        assert {numerator, denominator} <= set(bench_hot_path.VARIANTS), name
+
+
+def test_the_raw_buffer_is_read_from_the_backend_in_one_place() -> None:
+    buffer = object()
+    with_kwargs = SimpleNamespace(buffer=buffer, _dispatch_kwargs={"do_handle_copy": False}, num_sms=24)
+    assert bench_hot_path._raw_buffer(SimpleNamespace(backend=with_kwargs)) == (buffer, {"do_handle_copy": False}, 24)
+    # A backend that keeps the extra arguments with the calls of its DeepEP line.
+    with_line = SimpleNamespace(buffer=buffer, line_calls=SimpleNamespace(dispatch_kwargs=(("do_handle_copy", False),)),
+                                num_sms=0)
+    assert bench_hot_path._raw_buffer(SimpleNamespace(backend=with_line)) == (buffer, {"do_handle_copy": False}, 0)
