@@ -41,6 +41,14 @@ logger = logging.getLogger(__name__)
 
 _warned_low_precision_probs = False
 
+#: The stream mode of every call of this manager, whatever Megatron passes: synchronous. Megatron asks for
+#: ``async_finish`` and ``allocate_on_comm_stream``, then waits for the event at once, as every op here does before it
+#: returns; in DeepEP's async mode that wait costs an event capture, an event wait and a ``record_stream`` of every
+#: input and output per call (150-240 us per forward + backward step on one H200, docs/benchmarks.md) and orders
+#: nothing differently: the synchronous call makes the communication stream wait for the current stream and the
+#: current stream wait for it, and allocates its outputs on the current stream, whose later work it precedes.
+_STREAMS = ops.STREAMS[False, False]
+
 
 class _DeepepV2Manager(_DeepepManager):
     """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``.
@@ -119,8 +127,9 @@ class _DeepepV2Manager(_DeepepManager):
 
         Args:
             hidden_states: ``[T, H]`` tokens.
-            async_finish: Asynchronous communication (Megatron passes True).
-            allocate_on_comm_stream: Allocate on the communication stream (Megatron passes True).
+            async_finish: Megatron's asynchronous-communication flag (it passes True); calls here are synchronous
+                whatever it says (see ``_STREAMS``).
+            allocate_on_comm_stream: Megatron's flag (it passes True); see ``async_finish``.
 
         Returns:
             Received rows in the expand layout.
@@ -137,10 +146,9 @@ class _DeepepV2Manager(_DeepepManager):
         hidden_states = hidden_states.contiguous()  # no copy when it is already (DeepEP needs it)
         buffer = bound.prepare(hidden_states, self.token_indices, self.token_probs)
         side: list = []
-        streams = ops.STREAMS[bool(async_finish), bool(allocate_on_comm_stream)]
         try:
             recv_x, self.dispatched_probs = ops.DispatchFunction.apply(
-                hidden_states, self.token_probs, (bound, buffer, self.token_indices, None, streams, side))
+                hidden_states, self.token_probs, (bound, buffer, self.token_indices, None, _STREAMS, side))
         except Exception as error:
             raise ops.peer_failure(error, self.group) from error
         _, self.dispatched_indices, self.handle = side
@@ -237,7 +245,8 @@ class _DeepepV2Manager(_DeepepManager):
         the legacy stream depend on a capturing blocking stream").
         """
         combined = ops.combine(
-            hidden_states, self.handle, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream
+            hidden_states, self.handle, async_finish=_STREAMS.async_finish,
+            allocate_on_comm_stream=_STREAMS.allocate_on_comm_stream
         )
         self.token_indices = None
         self.token_probs = None

@@ -510,3 +510,27 @@ def test_transformer_config_deep_copies_and_pickles_after_a_deepepv2_step() -> N
     the TransformerConfig must not make that fail after the first step."""
     for report in run_distributed(_copy_after_a_step, 2):
         assert report == {"copied_same": True, "restored_same": True, "restored_memo": 0, "hidden": (64, 64)}, report
+
+
+def _stream_flags_reaching_deepep(rank: int, world: int) -> list[dict]:
+    _setup()
+    import megatron_deepepv2 as dv2
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+    from tests.unit.test_deepep_adapter import STAND_INS, use_stand_in_backend
+
+    use_stand_in_backend()
+    dv2.configure(backend="deepep", validate=False)
+    layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
+    calls = STAND_INS["2.1"][1].calls
+    calls.clear()
+    _forward_backward(layer, torch.randn(6, 1, layer.config.hidden_size, generator=torch.Generator().manual_seed(rank)))
+    return [{"async": c["async_"], "alloc": c["alloc"], "prev": c["prev"]} for c in calls]
+
+
+def test_megatron_layers_call_deepep_synchronously_whatever_the_stream_flags() -> None:
+    """Megatron's flex dispatcher passes async_finish and allocate_on_comm_stream, then waits at once: the manager calls
+    DeepEP synchronously (no event capture, wait or record_stream per call), dispatch, combine and both backwards."""
+    for calls in run_distributed(_stream_flags_reaching_deepep, 2, env={"LOCAL_WORLD_SIZE": "2"}):
+        assert len(calls) == 4, calls
+        assert all(c == {"async": False, "alloc": False, "prev": None} for c in calls), calls
