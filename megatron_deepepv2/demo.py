@@ -6,7 +6,8 @@ once with Megatron's alltoall dispatcher, once with the flex dispatcher on the d
 logs loss and tokens/s; the end says whether the two loss trajectories match.
 
 * CPU (no CUDA, or ``--cpu``): 2 gloo processes, the reference backend, FP32 (through the CPU shims of
-  :mod:`megatron_deepepv2.testing.cpu_shims`).
+  :mod:`megatron_deepepv2.testing.cpu_shims`). The processes are forked from a server that imported Megatron once
+  (a fresh interpreter per process would import it itself, seconds of CPU each).
 * GPUs: one NCCL process per GPU (two by default; one on a 1-GPU machine, where the expert-parallel group has a
   single rank, EP=1), BF16, hidden 256, the ElasticBuffer backend when DeepEP v2 is usable, else the reference
   backend over NCCL (``--backend`` overrides).
@@ -14,14 +15,16 @@ logs loss and tokens/s; the end says whether the two loss trajectories match.
 ``--fp8-dispatch`` trains the deepepv2 layer twice instead, with BF16 and with FP8 dispatch (both in BF16; hidden 128
 on CPU), and reports the largest loss gap and the quantisation error of the rows the experts receive.
 
-Usage: ``python -m megatron_deepepv2.demo [--steps 20] [--nproc N] [--layout expand|compact] [--backend ...]
+Usage: ``python -m megatron_deepepv2.demo [--steps 20] [--nproc N] [--backend ...]
 [--fp8-dispatch]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import multiprocessing
 import os
 import time
 import warnings
@@ -31,9 +34,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_deepepv2._dist import spawn_on_free_port
+from megatron_deepepv2._dist import free_port, spawn_on_free_port
 
 logger = logging.getLogger("megatron_deepepv2.demo")
+
+# What the CPU ranks import, imported once by the server they are forked from (a missing module is skipped).
+_CPU_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron_deepepv2",
+    "megatron_deepepv2.testing.cpu_shims",
+    "megatron_deepepv2.testing.moe_model",
+    "megatron.core.parallel_state",
+    "megatron.core.transformer.transformer_config",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron_deepepv2.testing.frozen_preload",  # last: freezes what the server imported (see there)
+]
 
 
 @dataclass
@@ -42,7 +60,6 @@ class DemoConfig:
 
     steps: int = 20
     nproc: int = 2
-    layout: str = "expand"
     tokens_per_rank: int = 256
     vocab: int = 64
     num_experts: int = 8
@@ -152,7 +169,7 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
     import megatron_deepepv2 as dv2  # noqa: PLC0415
 
     dv2.install()
-    dv2.configure(layout=config.layout, backend=config.backend)
+    dv2.configure(backend=config.backend)
     # The baseline and the run compared with it: alltoall vs deepepv2, or deepepv2 BF16 vs FP8 dispatch.
     baseline_run, candidate_run = ((("deepepv2", False), ("deepepv2", True)) if config.fp8_dispatch else
                                    (("alltoall", False), ("deepepv2", False)))
@@ -163,7 +180,7 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
             logger.info("Training with %s (baseline) ...", names[0])
         baseline = _train(*baseline_run[:1], rank, config, device, on_gpu, fp8_dispatch=baseline_run[1])
         if rank == 0:
-            logger.info("Training with %s (flex dispatcher, %s layout, %s backend) ...", names[1], config.layout,
+            logger.info("Training with %s (flex dispatcher, expand layout, %s backend) ...", names[1],
                         dv2.get_settings().backend)
         candidate = _train(*candidate_run[:1], rank, config, device, on_gpu, fp8_dispatch=candidate_run[1])
         worst = max(abs(a - b) for a, b in zip(baseline, candidate))
@@ -179,13 +196,27 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
         dist.destroy_process_group()
 
 
+def _fork_cpu_ranks(config: DemoConfig, attempts: int = 3) -> None:
+    """Starts the CPU ranks from a forkserver that preloads :data:`_CPU_PRELOAD` (the server starts with this process's
+    environment: no GPU visible). As :func:`~megatron_deepepv2._dist.spawn_on_free_port`, a start that fails because
+    the rendezvous port was taken meanwhile (EADDRINUSE) is retried on a new port."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_CPU_PRELOAD)
+    for attempt in range(attempts):
+        try:
+            mp.start_processes(_worker, args=(config.nproc, free_port(), config, False), nprocs=config.nproc,
+                               join=True, start_method="forkserver")
+            return
+        except mp.ProcessRaisedException as error:
+            if "EADDRINUSE" not in str(error) or attempt == attempts - 1:
+                raise
+
+
 def main(argv=None) -> int:
     """Parses arguments and launches the ranks. Returns 0 when the loss trajectories match."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=DemoConfig.steps)
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes: GPUs on a GPU machine (default min(2, GPUs)), else CPU processes (default 2)")
-    parser.add_argument("--layout", choices=["expand", "compact"], default=DemoConfig.layout)
     parser.add_argument("--backend", choices=["auto", "deepep", "reference"], default="auto",
                         help="deepepv2 backend (auto: DeepEP on GPUs when usable, else reference)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU processes even when GPUs are present")
@@ -194,7 +225,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     nproc = args.nproc if args.nproc is not None else min(2, gpus) if gpus else DemoConfig.nproc
-    config = DemoConfig(steps=args.steps, nproc=nproc, layout=args.layout, fp8_dispatch=args.fp8_dispatch)
+    config = DemoConfig(steps=args.steps, nproc=nproc, fp8_dispatch=args.fp8_dispatch)
 
     from megatron_deepepv2.backends import resolve_backend  # noqa: PLC0415
 
@@ -205,10 +236,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not on_gpu:
         # The CPU ranks must not see a GPU (fewer GPUs than processes, or --cpu): Megatron would place parameters
-        # on it, and the CPU shims step aside where CUDA is visible. Spawned ranks inherit this.
+        # on it, and the CPU shims step aside where CUDA is visible. The ranks (and their forkserver) inherit this.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        spawn_on_free_port(_worker, (config, on_gpu), config.nproc)
+        if on_gpu:  # fresh interpreters: CUDA state must not be inherited through a fork
+            spawn_on_free_port(_worker, (config, on_gpu), config.nproc)
+        else:
+            _fork_cpu_ranks(config)
     except mp.ProcessExitedException as error:
         print(f"demo failed: {error}")
         return 1
@@ -216,4 +250,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    gc.freeze()  # exiting: skip the final garbage collection over torch's objects (most of a second)
+    raise SystemExit(code)

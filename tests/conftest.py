@@ -1,6 +1,53 @@
-"""Shared pytest configuration: value validation is on in every test process and rank."""
+"""Shared pytest configuration: value validation is on in every test process and rank; long tests start first."""
 
+import gc
 import os
+
+import pytest
 
 # The documented switch (megatron_deepepv2.config): host-side checks plus cross-rank agreement on errors.
 os.environ.setdefault("MEGATRON_DEEPEPV2_VALIDATE", "1")
+
+# Tests that take many seconds (most start interpreters of their own, which import torch and Megatron), by node-id
+# prefix, with a rough cost in seconds on a 2-core machine. Under pytest-xdist they start first, longest first, and
+# tests are handed out one at a time, so that a long test never starts last while the other workers have run out of
+# tests. A stale entry only changes the order tests start in.
+LONG_TESTS = {
+    "tests/unit/test_bench_host_overhead.py::test_instructions_counts_the_steps_under_callgrind": 60,
+    "tests/unit/test_bench_host_overhead.py::test_compare_measures_each_tree_in_its_own_processes": 30,
+    "tests/unit/test_readme.py::test_make_targets_run_as_written": 12,
+    "tests/unit/test_run_entry_point.py::test_without_the_plugin_megatron_rejects_deepepv2": 11,
+    "tests/unit/test_demo.py::": 10,
+    "tests/unit/test_run_entry_point.py::test_run_installs_plugin_and_passes_arguments": 10,
+    "tests/unit/test_spawn_on_free_port.py::": 10,
+    "tests/unit/test_readme.py::test_python_blocks_run": 8,
+    "tests/unit/test_bench_fp8.py::": 8,
+    "tests/unit/test_distributed_harness.py::test_forked_ranks_start_with_megatron_imported_and_fresh_ones_without": 7,
+    "tests/unit/test_install_deepep.py::test_compiler_probe_on_this_machine_tells_static_from_dynamic": 5,
+    "tests/unit/test_validation.py::test_each_failure_is_reported_with_its_own_cause": 5,
+    "tests/unit/test_bench_hot_path.py::test_without_a_gpu_it_says_what_it_needs": 4,
+    "tests/unit/test_distributed_harness.py::test_a_hung_rank_fails_after_the_timeout_with_its_stack": 4,
+}
+
+
+def _expected_seconds(nodeid: str) -> float:
+    return max((seconds for prefix, seconds in LONG_TESTS.items() if nodeid.startswith(prefix)), default=0.0)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's load scheduling hands out consecutive chunks of a quarter of each worker's share by default: the
+    # long tests, first in the order below, would all go to the first worker. One at a time, they spread.
+    if getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Stable: every other test keeps its place (and every xdist worker collects the same order, as it must).
+    items.sort(key=lambda item: -_expected_seconds(item.nodeid))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish() -> None:
+    # The process exits next. Its final garbage collection would walk every object torch and Megatron created (about
+    # two seconds in each xdist worker, which the run waits for); frozen objects are skipped.
+    gc.freeze()

@@ -6,18 +6,10 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_deepepv2 import _dist
-
-
-def _rendezvous(rank: int, world: int, port: int, fail: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    dist.barrier()
-    dist.destroy_process_group()
-    if fail:
-        raise ValueError("a failure of the worker itself")
+from tests.unit.spawn_worker import rendezvous as _rendezvous
 
 
 def test_a_taken_port_is_retried_and_other_failures_raise(monkeypatch: pytest.MonkeyPatch) -> None:
