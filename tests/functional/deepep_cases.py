@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import megatron_deepepv2 as dv2  # noqa: E402
 from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend, Routing  # noqa: E402
 from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
-from tools.bench import time_op  # noqa: E402
+from tools._bench import median_us  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 # Read by cuBLAS when its handle is created; torch's deterministic algorithms (a case below) require it.
@@ -374,7 +374,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
                 else:
                     exact(f"{backend} replay {i} {name}", replayed[name], eager[name])
         log(f"  {backend}: graph replays equal eager on 2 new inputs")
-        timings = {label: time_op(run, iters=10, warmup=2)
+        timings = {label: median_us(run, 10, 2, cuda=True)
                    for label, run in (("eager", lambda: layer_step(layer, eager_x, grad)), ("graph", graph.replay))}
         log(f"  {backend}: forward+backward eager {timings['eager']:.0f} us, graph replay {timings['graph']:.0f} us "
             f"(T={tokens} H={shape.hidden} E={shape.num_experts} top-{shape.topk})")

@@ -7,7 +7,7 @@ import sys
 
 
 def test_demo_runs_and_loss_trajectories_match() -> None:
-    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.demo", "--steps", "4", "--layout", "compact", "--cpu"],
+    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.demo", "--steps", "4", "--cpu"],
                           capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
