@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from megatron_deepepv2.backends.base import rows_past_valid
+from megatron_deepepv2.layout import rows_past_valid
 from megatron_deepepv2.expert_kernels import AVAILABLE as TRITON_AVAILABLE
 from megatron_deepepv2.expert_kernels import tl, triton
 

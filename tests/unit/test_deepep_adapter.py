@@ -408,3 +408,25 @@ def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "deep_ep", v1)
     with pytest.raises(ImportError, match="deep_ep 1.2.1 .* has Buffer but neither ElasticBuffer .* it is DeepEP v1"):
         import_deep_ep()
+
+
+def _caller_reuses_topk_idx(rank: int, world: int) -> str:
+    """V2.5's handle keeps the ``topk_idx`` it is given: a caller that refills its tensor before the backward (as the
+    next replay of a CUDA graph refills its static inputs) must not change the routing of a pending combine."""
+    _install_fake("V2.5")
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ReferenceBackend, Routing
+
+    spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=16)
+    backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    problem = make_problem(44, [6, 5], 8, 8, 3, dtype=torch.float32)
+    rows = problem.rows(rank)
+    x, idx, w = problem.x[rows], problem.topk_idx[rows].clone(), problem.topk_weights[rows]
+    got, want = backend.dispatch(x, idx, w, Routing(8)), reference.dispatch(x, idx, w, Routing(8))
+    idx.copy_(idx.roll(1, dims=0))  # the caller's static tensor, refilled for the next micro-batch
+    torch.testing.assert_close(backend.combine(got.recv_x, got.handle).x, reference.combine(want.recv_x, want.handle).x)
+    backend.destroy()
+    return "ok"
+
+
+def test_v25_handles_keep_a_copy_of_the_routing_not_the_callers_tensor() -> None:
+    assert run_distributed(_caller_reuses_topk_idx, 2, env={"LOCAL_WORLD_SIZE": "2"}) == ["ok", "ok"]
