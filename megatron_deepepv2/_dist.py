@@ -25,11 +25,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn_on_free_port(worker: Callable, args: tuple, nprocs: int, attempts: int = 3) -> None:
-    """``torch.multiprocessing.spawn(worker, args=(nprocs, port, *args))`` on a free rendezvous port.
+def spawn_on_free_port(worker: Callable, args: tuple, nprocs: int, attempts: int = 3,
+                       start_method: str = "spawn") -> None:
+    """``torch.multiprocessing.start_processes(worker, args=(nprocs, port, *args))`` on a free rendezvous port.
 
     The port is free when chosen, but another process can take it before rank 0 binds it; a start that fails so
-    (EADDRINUSE) is retried on a new port, ``attempts`` times in all.
+    (EADDRINUSE) is retried on a new port, ``attempts`` times in all. ``start_method`` is multiprocessing's (``spawn``:
+    fresh interpreters; ``forkserver``: forked from a server, e.g. one that preloaded modules).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException, ProcessExitedException: A rank failed (for another reason,
@@ -39,7 +41,8 @@ def spawn_on_free_port(worker: Callable, args: tuple, nprocs: int, attempts: int
 
     for attempt in range(attempts):
         try:
-            mp.spawn(worker, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True)
+            mp.start_processes(worker, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True,
+                               start_method=start_method)
             return
         except mp.ProcessRaisedException as error:
             if "EADDRINUSE" not in str(error) or attempt == attempts - 1:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_deepepv2._dist import free_port, spawn_on_free_port
+from megatron_deepepv2._dist import spawn_on_free_port
 
 logger = logging.getLogger("megatron_deepepv2.demo")
 
@@ -196,19 +196,11 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
         dist.destroy_process_group()
 
 
-def _fork_cpu_ranks(config: DemoConfig, attempts: int = 3) -> None:
+def _fork_cpu_ranks(config: DemoConfig) -> None:
     """Starts the CPU ranks from a forkserver that preloads :data:`_CPU_PRELOAD` (the server starts with this process's
-    environment: no GPU visible). As :func:`~megatron_deepepv2._dist.spawn_on_free_port`, a start that fails because
-    the rendezvous port was taken meanwhile (EADDRINUSE) is retried on a new port."""
+    environment: no GPU visible), on a free port (:func:`~megatron_deepepv2._dist.spawn_on_free_port`)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(_CPU_PRELOAD)
-    for attempt in range(attempts):
-        try:
-            mp.start_processes(_worker, args=(config.nproc, free_port(), config, False), nprocs=config.nproc,
-                               join=True, start_method="forkserver")
-            return
-        except mp.ProcessRaisedException as error:
-            if "EADDRINUSE" not in str(error) or attempt == attempts - 1:
-                raise
+    spawn_on_free_port(_worker, (config, False), config.nproc, start_method="forkserver")
 
 
 def main(argv=None) -> int:
