@@ -1,31 +1,24 @@
 """Buffer lifecycle: the single source of truth for the communication buffers of this process.
 
-One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend` instance) lives per (backend, process
-group, shape key): hidden size, top-k, FP8, determinism and SM count. Layers whose keys differ (a model with MoE
-layers of two hidden sizes, FP8 and BF16 layers) each keep their own buffer instead of rebuilding each other's on
-every call; the memory cost is one buffer per distinct key (one for a model whose MoE layers are alike). A buffer is
-rebuilt only when a batch needs more token capacity than it has; a build is collective on every rank of the group,
-and never happens inside CUDA-graph capture.
+One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend`) lives per (backend, process group, shape
+key: hidden size, top-k, FP8, determinism, SMs), so MoE layers whose keys differ keep their own instead of rebuilding
+each other's. A build is collective on the group's ranks and never happens inside CUDA-graph capture; it also agrees
+on the shape key, so ranks whose keys differ raise naming each other's instead of corrupting the exchange.
 
-**Lifetime.** Every dispatch handle refers to the buffer that made it, and the autograd graph of a micro-batch keeps
-its handle until the graph is freed. Several micro-batches are in flight under pipeline schedules, EP all-to-all
-overlap and variable-length batches, so a rebuild must not destroy the superseded buffer: it is *retired* (its
-handles still work; the layers' bound dispatchers see the flag and take the new one) and destroyed at a later build
-on the same group once every rank agrees, in that build's all-reduce, that no handle uses it any more -- or at
-:func:`destroy_buffers`, which releases everything at shutdown. Nothing runs per call for it: capacity only grows,
-so all retired buffers together take less memory than the current one, and a configured capacity never rebuilds.
+**Lifetime.** A handle refers to the buffer that made it, and a micro-batch's autograd graph keeps its handle until
+its backward (several are in flight under pipeline schedules, EP overlap, variable-length batches). A rebuild
+therefore *retires* the old buffer (its handles still work; bound dispatchers see the flag and lease the new one),
+and a later build on the group destroys it once every rank agrees, in that build's all-reduce, that no handle uses
+it -- or :func:`destroy_buffers` at shutdown. Nothing runs per call for it: capacity only grows, so the retired
+buffers together are smaller than the current one.
 
-Token capacity (``num_max_tokens_per_rank``) is the same on every rank, as DeepEP requires (it is a JIT
-constant and a layout parameter). It comes from configuration, exactly as configured (it sizes the worst-case
-buffers of the no-host-sync mode), or, when not configured, from the largest first batch over the ranks (agreed
-by the collective build) rounded up to a power of two. In steady state no collective runs: a dispatch only
-compares its token count with the capacity. When a batch exceeds it, capacity grows collectively to the maximum
-over the ranks. That growth needs the ranks to exceed together, as Megatron's equal per-rank token counts do: a
-rank that grows first waits for the others at the rendezvous store (no collective) for ``growth_timeout_s``, and
-when they do not come (their batches fit) it raises naming the cause instead of entering a collective they never
-join; they then fail naming it (:mod:`megatron_deepepv2.validation`). For workloads where one rank alone can
-exceed, configure the true maximum, or turn on ``validate`` (its per-call all-reduce shares every rank's count,
-so the ranks grow in lock-step).
+**Capacity** (``num_max_tokens_per_rank``, the same on every rank: a DeepEP JIT constant and layout parameter) is
+taken as configured (it sizes the worst-case outputs without host sync), else from the largest first batch over the
+ranks, rounded up to a power of two. A batch above it grows it collectively to the maximum over the ranks, which
+needs the ranks to exceed together (Megatron's equal per-rank token counts do): a rank that grows alone waits for the
+others at the rendezvous store (no collective) for ``growth_timeout_s``, then raises naming the cause, and they fail
+naming it. Where one rank alone can exceed, configure the true maximum or turn on ``validate`` (its per-call
+all-reduce shares the counts, so the ranks grow in lock-step).
 """
 
 from __future__ import annotations
@@ -110,8 +103,8 @@ def get_buffer(
     configured_capacity: Optional[int] = None,
     growth_timeout_s: float = 120.0,
 ) -> DispatchBackend:
-    """Returns the buffer for ``group`` and ``spec``, building or rebuilding it when needed (not a per-call function:
-    :class:`~megatron_deepepv2.ops.Dispatcher` keeps the buffer it got until it is retired or too small).
+    """Returns the buffer for ``group`` and ``spec`` with room for ``num_tokens``, building or rebuilding it when needed
+    (:class:`~megatron_deepepv2.ops.Dispatcher` keeps what it gets until it is retired or too small).
 
     Args:
         backend_cls: Backend class to build.
@@ -121,13 +114,9 @@ def get_buffer(
         configured_capacity: Configured ``num_max_tokens_per_rank``, or None to take the largest first batch.
         growth_timeout_s: How long a build waits for the other ranks of ``group`` to build too.
 
-    Returns:
-        A buffer whose capacity is at least ``num_tokens``.
-
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
-        ValueError: If the other ranks did not come to the build within ``growth_timeout_s`` (this rank's batch
-            exceeds the capacity and theirs do not).
+        ValueError: If the other ranks did not come to the build in time, or build with another shape key.
     """
     key = (backend_cls.name, group, replace(spec, num_max_tokens_per_rank=0))
     current = _buffers.get(key)

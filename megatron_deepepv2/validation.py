@@ -1,31 +1,17 @@
-"""Input validation for dispatch and combine, run before any communication starts.
+"""Input validation for dispatch and combine, run before any communication starts (a rank that raised inside a
+collective would leave its peers waiting). Each error names the argument, its value and how to fix it.
 
-A rank that raised in the middle of a collective would leave its peers waiting forever, so every check
-here runs first. Each error names the argument, the value it had and how to fix it.
+* **static checks** (always): types, dtypes, shapes, devices and limits such as ``num_experts % group_size`` or
+  DeepEP's ``H % 256`` for combine; no device sync. A binding runs them once per input signature.
+* **expert-id checks** (``check_ids``, direct calls): ids in ``[-1, num_experts)``, no expert twice in a row.
+  On CUDA one Triton kernel clears a flag: with host sync the flag is read (a ValueError naming the token), without
+  a device-side assert stops the process (a bad id must not reach the exchange). On CPU the ids are read.
+* **agreed checks** (``validate``): the same on the host, then one small all-reduce, so bad input on one rank
+  raises on every rank; it also names ranks whose dtype, hidden size, top-k or FP8-ness differ.
 
-Three levels:
-
-* **static checks** (always on): types, dtypes, shapes, devices, configuration limits such as
-  ``num_experts % group_size`` or DeepEP's ``H % 256`` for combine. They cost no device sync.
-* **expert-id checks** (``check_ids`` setting, on by default): every id in ``[-1, num_experts)`` and no expert
-  twice in one row (an id past the experts would otherwise be dropped or index out of bounds, and a repeated
-  expert would be received twice). On CUDA one small kernel checks them: a dispatch with host sync, which waits
-  on the host anyway, reads its 4-byte flag and raises a ValueError naming the token
-  (:func:`check_expert_ids_with_flag`); a dispatch without host sync, which must not read the device, runs a
-  device-side assert that stops the process before the exchange reads a bad id
-  (:func:`assert_expert_ids_on_device`). CPU tensors are checked on the host, where reading them costs nothing,
-  and raise a ValueError naming the token (without host sync, which promises no host read, the same test runs
-  as tensor ops and raises a RuntimeError).
-* **agreed value checks** (``validate`` setting, :mod:`megatron_deepepv2.config`): the same checks on the host
-  (a device-to-host sync), then all ranks agree on the outcome in one small all-reduce, so bad input on
-  *one* rank raises on *every* rank at once.
-
-Without ``validate``, a rank that rejects its input raises alone; it first leaves its error in the rendezvous
-store (:func:`megatron_deepepv2._dist.announce_failure`), and a peer whose collective then fails -- when the
-failing process exits or closes its group (at once), at the process group's timeout
-(``init_process_group(timeout=...)``, Megatron's ``--distributed-timeout-minutes``), or at DeepEP's kernel
-timeouts (100 s on the GPU, 300 s on the CPU by default) -- raises naming that rank and its error. Under
-torchrun the failing rank's exit stops the others within seconds.
+Without ``validate`` a rank that rejects its input raises alone, after leaving its error in the rendezvous store
+(:func:`megatron_deepepv2._dist.announce_failure`); a peer whose communication then fails (when the rank exits, at
+the group's timeout or at DeepEP's) raises naming that rank and its error.
 """
 
 from __future__ import annotations
@@ -151,17 +137,8 @@ def check_dispatch_inputs(
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
-    """Checks expert id values: each in ``[-1, num_experts)``, no expert twice in one row.
-
-    Reads ``topk_idx`` on the host (a device-to-host sync).
-
-    Args:
-        topk_idx: ``[T, K]`` int64 expert ids.
-        num_experts: Global number of experts.
-
-    Returns:
-        A ``ValueError`` naming the first bad token, or None.
-    """
+    """Checks expert ids on the host (a device-to-host sync for device tensors): each in ``[-1, num_experts)``, no
+    expert twice in one row. Returns a ``ValueError`` naming the first bad token, or None."""
     if topk_idx.numel() == 0:
         return None
     if not topk_idx.is_cuda and _host_ids_are_good(topk_idx.numpy(), num_experts):
@@ -254,13 +231,8 @@ if triton is not None:
 
 
 def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Tensor) -> None:
-    """Sets the int32 ``ok`` to 0 when ``topk_idx`` holds a bad id (out of ``[-1, num_experts)`` or repeated in a row).
-
-    Args:
-        topk_idx: ``[T, K]`` contiguous int64 expert ids on a CUDA device, ``T > 0``.
-        num_experts: Global number of experts.
-        ok: One int32 on the same device; left as it is when every id is good.
-    """
+    """Sets the int32 ``ok`` (on ``topk_idx``'s device) to 0 when the contiguous ``[T, K]`` ``topk_idx`` holds a bad
+    id; leaves it as it is otherwise."""
     num_tokens, num_topk = topk_idx.shape
     if triton is not None and topk_idx.is_cuda:
         k_pad = triton.next_power_of_2(num_topk)
@@ -272,18 +244,10 @@ def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Te
 
 
 def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
-    """The default id check of a dispatch that waits on the host anyway (host sync) on CUDA: no device assert.
-
-    Runs the check kernel of :func:`assert_expert_ids_on_device` and reads its 4-byte flag on the host instead of
-    asserting on the device. A device-side assert would leave the process unusable and, in host-sync mode, be
-    reported late: the dispatch that follows waits on the host for counts that kernels queued after a failed
-    assert never write (DeepEP spins until its CPU timeout, 300 s by default). Reading the flag waits for the
-    work queued before the dispatch, which a host-sync dispatch waits for moments later anyway; only when the
-    flag says a bad id is there are the ids copied to the host, to name the token.
-
-    Args:
-        topk_idx: ``[T, K]`` int64 expert ids on a CUDA device.
-        num_experts: Global number of experts.
+    """The id check of a CUDA dispatch that waits on the host anyway (host sync): the kernel of
+    :func:`assert_expert_ids_on_device`, then a read of its 4-byte flag instead of a device assert (which would leave
+    the process unusable and, here, surface only at DeepEP's CPU timeout: the dispatch waits for counts that kernels
+    after a failed assert never write). The ids are copied to the host only when the flag says one is bad.
 
     Returns:
         A ``ValueError`` naming the first bad token, or None.
@@ -300,20 +264,10 @@ def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Opti
 
 def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
                                 group: Optional[dist.ProcessGroup] = None) -> None:
-    """Checks expert ids without a host read of them: a bad id trips an assert on the tensors' device.
-
-    The default check (``check_ids``) where the ids are not read on the host. On CUDA: one Triton kernel over
-    ``[T, K]`` (ids in ``[-1, num_experts)``, no id twice in a row, -1 excepted) that clears a per-device flag,
-    and ``torch._assert_async`` on that flag; nothing is allocated per call and nothing waits, so the check can be
-    captured in a CUDA graph. A failed assert stops the process (CUDA's device-side assert is not recoverable);
-    its message says to rerun with ``MEGATRON_DEEPEPV2_VALIDATE=1`` for the offending token. Other devices (CPU
-    without host sync) run the same test with tensor ops and raise a RuntimeError with that message, first
-    announcing it to the peers of ``group``.
-
-    Args:
-        topk_idx: ``[T, K]`` contiguous int64 expert ids.
-        num_experts: Global number of experts.
-        group: The dispatch's group, told of a failure on a non-CUDA device.
+    """The id check without a host read: on CUDA one Triton kernel clears a per-device flag and ``torch._assert_async``
+    asserts on it (nothing allocated or awaited: capturable in a CUDA graph; a failed assert stops the process, its
+    message says to rerun with ``MEGATRON_DEEPEPV2_VALIDATE=1`` to name the token). Elsewhere the same test runs as
+    tensor ops and raises a RuntimeError, first announced to the peers of ``group``.
     """
     num_tokens, num_topk = topk_idx.shape
     if num_tokens == 0:
@@ -389,25 +343,20 @@ def raise_on_every_rank(
 ) -> int:
     """Raises ``problem``; with ``agree``, first makes every rank of ``group`` raise together.
 
-    With ``agree`` the ranks run one small all-reduce carrying an error flag per rank, the token count, and the
-    largest and smallest of each value in ``alike``, so a problem on any rank -- or ranks whose inputs differ where
-    they must be alike (dtype, hidden size, top-k, FP8-ness: the layout of the exchange) -- stops all of them before
-    the dispatch's collectives start. Only when they differ does a second collective gather every rank's values, to
-    name them.
+    With ``agree`` one small all-reduce carries an error flag per rank, the token count and the largest and smallest
+    of each value in ``alike``, so a problem on any rank, or values that differ where they must be alike (the layout
+    of the exchange), stops every rank before the exchange; only then does a second collective gather the values,
+    to name each rank's.
 
     Args:
         problem: This rank's problem, or None.
         group: Process group of the dispatch.
-        agree: Share the outcome over ``group`` (the ``validate`` setting).
+        agree: Share the outcome over ``group``.
         num_tokens: This rank's token count, maximised over the group alongside.
         alike: Integer-coded values every rank must share (``dtype`` as :func:`dtype_code`), or None.
 
     Returns:
         The largest token count over the group (``num_tokens`` itself without ``agree``).
-
-    Raises:
-        TypeError, ValueError: This rank's problem, or a ValueError naming the ranks that had one, or naming each
-            rank's values where they differ.
     """
     if not agree:
         if problem is not None:
@@ -424,10 +373,8 @@ def raise_on_every_rank(
     if problem is not None:
         raise problem
     if failed:
-        raise ValueError(
-            f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine inputs (their error "
-            "says why); this rank's inputs were valid but it stops too instead of waiting for them."
-        )
+        raise ValueError(f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine inputs "
+                         "(their error says why); this rank's inputs were valid but it stops too instead of waiting.")
     count = len(values)
     highs, lows = agreed[world + 1:world + 1 + count], [-v for v in agreed[world + 1 + count:]]
     differing = [name for (name, _), high, low in zip(fields, highs, lows) if high != low]

@@ -1,38 +1,22 @@
 """DeepEP v2 adapter: the backend contract over DeepEP's expert-parallel buffer, both lines.
 
-DeepEP 2.1 (``deep_ep.ElasticBuffer``) and V2.5 (``deep_ep.EPBuffer``, :mod:`megatron_deepepv2.deepep_lines`) take
-the same calls for what this backend does; the backend picks the buffer ``deep_ep`` has (V2.5 first) with no
-setting, and the few differences live in :class:`_LineCalls`:
+It drives the buffer ``deep_ep`` has -- ``EPBuffer`` (V2.5) first, else ``ElasticBuffer`` (2.1); see
+:mod:`megatron_deepepv2.deepep_lines` -- with no setting; what differs between the lines lives in :class:`_LineCalls`
+(V2.5 keeps the caller's ``topk_idx`` in its handle, so it gets a copy: Megatron refills the same static tensor on every
+CUDA-graph replay before the pending backward reads the routing; V2.5 rounds ``num_sms`` up to even, which the
+backend does itself so that handle, log and buffer agree; ``defer_epilogue`` is not used: every call waits anyway).
 
-* V2.5 keeps a reference to ``topk_idx`` in its handle (``do_handle_copy`` must be False) and asserts that the
-  tensor's version did not change while the handle lives; the backend hands it a copy (about 2 us for ``[T, K]``
-  int64), since Megatron refills the same static tensor on every CUDA-graph replay before the pending backward reads
-  the routing; 2.1 copies it itself (its default);
-* V2.5 rounds an explicit ``num_sms`` up to even; the backend rounds it itself and says so, so that the handle, the
-  log and the buffer agree;
-* V2.5 dropped ``previous_event_before_epilogue`` (never passed here) and added ``defer_epilogue``, which is not
-  used: every call here waits for its event before returning.
-
-A thin layer. Every call is one DeepEP call with keyword arguments built once per (routing, stream mode) and kept;
-DeepEP's tensors are handed back as they are (counts are derived only when a caller asks, see
-:meth:`DeepEPBackend.device_counts`). The fixes for DeepEP's known traps, each where noted:
-
-* the group's NCCL communicator is materialised before DeepEP reads it (a lazy one segfaults, DeepEP #726);
-* cached dispatch and combine pass ``num_sms`` from the handle (``num_sms=0`` with a handle raises, DeepEP #685)
-  and cached dispatch passes ``do_expand`` / ``do_zero_padding`` explicitly (it does not take them from the handle);
-* ``previous_event`` is passed only with ``allocate_on_comm_stream``, and outputs are allocated on the communication
-  stream only in async mode, the only mode where DeepEP ``record_stream``-s them on the compute stream (a
-  synchronous call that allocated there would hand the compute stream memory that the caching allocator gives back
-  to the other stream as soon as the tensor is freed);
-* ``EventOverlap.current_stream_wait`` is called only in async mode (it asserts otherwise); it also runs DeepEP's
-  deterministic sort there;
-* hybrid (RDMA x NVLink) mode is used only when the group spans nodes, unless the buffer spec says otherwise;
-* DeepEP asserts that torch's deterministic algorithms and ``fill_uninitialized_memory`` are not both on, so
-  every call into DeepEP runs with the fill off while deterministic algorithms are on (Megatron's
-  ``--deterministic-mode`` turns both on).
-
-``deep_ep`` is imported lazily: this module imports without it, and :meth:`DeepEPBackend.unavailable_reason`
-explains what is missing.
+A thin layer: each call is one DeepEP call with keyword arguments built once per (call kind, routing, stream mode),
+and DeepEP's tensors come back as they are (counts only when asked for, :meth:`DeepEPBackend.device_counts`). The
+known traps, each handled where noted: the group's NCCL communicator is made before DeepEP reads it (a lazy one
+segfaults, DeepEP #726); cached dispatch and combine pass ``num_sms`` from the handle (0 with a handle raises, #685),
+and cached dispatch passes ``do_expand`` / ``do_zero_padding``; ``previous_event`` goes only with
+``allocate_on_comm_stream``, and outputs are allocated on the communication stream only in async mode, the one mode
+where DeepEP ``record_stream``-s them on the compute stream; ``current_stream_wait`` only in async mode (it asserts
+otherwise; it also runs the deterministic sort there); hybrid (RDMA x NVLink) mode only when the group spans nodes
+unless the spec says; the fill of uninitialised memory goes off around every call while torch's deterministic
+algorithms are on (DeepEP asserts against the pair; Megatron's ``--deterministic-mode`` sets both). ``deep_ep`` is
+imported lazily: :meth:`DeepEPBackend.unavailable_reason` says what is missing.
 """
 
 from __future__ import annotations
