@@ -312,8 +312,6 @@ def _backend_string_checks(rank: int, world: int) -> None:
 
     init_expert_parallel()
     v1 = transformer_config(TinyMoEConfig(), "deepep")
-    import megatron_deepepv2 as dv2
-
     v2 = transformer_config(TinyMoEConfig(), "deepepv2")
     for node in ("moe_dispatch", "moe_combine"):
         assert should_free_input(node, True, v2, 4) == should_free_input(node, True, v1, 4), node
