@@ -44,7 +44,7 @@ _warned_low_precision_probs = False
 #: The stream mode of every call of this manager, whatever Megatron passes: synchronous. Megatron asks for
 #: ``async_finish`` and ``allocate_on_comm_stream``, then waits for the event at once, as every op here does before it
 #: returns; in DeepEP's async mode that wait costs an event capture, an event wait and a ``record_stream`` of every
-#: input and output per call (150-240 us per forward + backward step on one H200, docs/benchmarks.md) and orders
+#: input and output per call (150-340 us per forward + backward step on one H200, docs/benchmarks.md) and orders
 #: nothing differently: the synchronous call makes the communication stream wait for the current stream and the
 #: current stream wait for it, and allocates its outputs on the current stream, whose later work it precedes.
 _STREAMS = ops.STREAMS[False, False]

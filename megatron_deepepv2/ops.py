@@ -46,6 +46,11 @@ from megatron_deepepv2.backends import (
 from megatron_deepepv2.config import DeepepV2Settings, get_settings
 from megatron_deepepv2.layout import rows_past_valid
 
+#: The switches of a caller whose consumers read only what a dispatch defines -- the Megatron manager: its ids come
+#: from ``torch.topk`` (valid by construction), its multihot conversion ignores other ranks' weights, its experts stop
+#: at the counts and combine ignores the rows past them: every pass only direct callers need is off.
+WITHOUT_DIRECT_CALL_PASSES = {"check_ids": False, "mask_foreign_weights": False, "clear_tail": False}
+
 #: The stream modes by (async_finish, allocate_on_comm_stream): built once, passed on every call.
 STREAMS = {(a, b): Streams(a, b) for a in (False, True) for b in (False, True)}
 

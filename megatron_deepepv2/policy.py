@@ -71,12 +71,8 @@ def dispatch_config_for(config) -> ops.DispatchConfig:
         # count the dispatch recorded in its handle).
         num_sms=configured_num_sms(config) or settings.num_sms or 0,
         deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
-        # Passes whose results no consumer here reads: Megatron's multihot conversion ignores the entries of other
-        # ranks' experts; the experts stop at the device counts, and combine ignores rows past them.
-        mask_foreign_weights=False,
-        clear_tail=False,
-        # The manager's ids come from torch.topk (setup_metadata): in range and distinct by construction.
-        check_ids=False,
+        # No id check, foreign-weight mask or tail clearing: no consumer of a Megatron layer reads what they write.
+        **ops.WITHOUT_DIRECT_CALL_PASSES,
     )
     if resolved.fp8_dispatch:  # at layer construction, not mid-step
         bf16 = bool(getattr(config, "bf16", False)) or getattr(config, "params_dtype", None) == torch.bfloat16

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -59,9 +60,8 @@ MULTICAST_OFF: dict[str, str] = {
 
 PLOT_HINT = "pip install 'megatron-deepepv2[bench]' (matplotlib) for it"
 
-#: The dispatch settings the Megatron manager turns off (``megatron_deepepv2.policy.dispatch_config_for``): passes
-#: whose results no consumer of a Megatron layer reads (its ids come from ``torch.topk``, valid by construction; its
-#: multihot conversion ignores other ranks' weights; its experts stop at the device counts).
+#: The dispatch settings the Megatron manager turns off, for checkouts older than
+#: ``megatron_deepepv2.ops.WITHOUT_DIRECT_CALL_PASSES`` (which :func:`megatron_manager_overrides` reads where it exists).
 MEGATRON_MANAGER_OVERRIDES: dict[str, Any] = {"check_ids": False, "mask_foreign_weights": False, "clear_tail": False}
 
 
@@ -256,7 +256,8 @@ def megatron_manager_overrides(config_cls: type) -> dict[str, Any]:
         accepted = set(getattr(config_cls, "__dataclass_fields__", {}))  # resolve(**fields)
     else:
         accepted = set(parameters)
-    return {name: value for name, value in MEGATRON_MANAGER_OVERRIDES.items() if name in accepted}
+    overrides = getattr(sys.modules[config_cls.__module__], "WITHOUT_DIRECT_CALL_PASSES", MEGATRON_MANAGER_OVERRIDES)
+    return {name: value for name, value in overrides.items() if name in accepted}
 
 
 def routed_tokens(tokens: int, hidden: int, experts: int, topk: int, seed: int = 0) -> tuple[Any, Any, Any]:

@@ -99,10 +99,7 @@ def _raw_buffer(handle: Any) -> tuple[Any, dict[str, Any], int]:
         the installed DeepEP line), and the SM count its dispatches use.
     """
     backend = handle.backend
-    extra = getattr(backend, "_dispatch_kwargs", None)
-    if extra is None:  # the backend keeps them with the calls of its DeepEP line
-        extra = backend.line_calls.dispatch_kwargs
-    return backend.buffer, dict(extra), backend.num_sms
+    return backend.buffer, dict(backend.line_calls.dispatch_kwargs), backend.num_sms
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,7 @@ def test_every_ratio_names_measured_variants() -> None:
 
 def test_the_raw_buffer_is_read_from_the_backend_in_one_place() -> None:
     buffer = object()
-    with_kwargs = SimpleNamespace(buffer=buffer, _dispatch_kwargs={"do_handle_copy": False}, num_sms=24)
-    assert bench_hot_path._raw_buffer(SimpleNamespace(backend=with_kwargs)) == (buffer, {"do_handle_copy": False}, 24)
-    # A backend that keeps the extra arguments with the calls of its DeepEP line.
+    # The backend keeps the extra arguments with the calls of its DeepEP line.
     with_line = SimpleNamespace(buffer=buffer, line_calls=SimpleNamespace(dispatch_kwargs=(("do_handle_copy", False),)),
                                 num_sms=0)
     assert bench_hot_path._raw_buffer(SimpleNamespace(backend=with_line)) == (buffer, {"do_handle_copy": False}, 0)
