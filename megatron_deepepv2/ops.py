@@ -62,7 +62,7 @@ class DispatchResult(NamedTuple):
         recv_x: Received rows (an FP8 pair when one was dispatched).
         recv_topk_idx: Compact: ``[N, K]`` local expert ids (-1 = other rank). Expand: None.
         recv_topk_weights: Compact ``[N, K]`` / expand ``[N]`` fp32 (zero where the id is -1 with
-            ``mask_foreign_weights``, on padding rows with ``zero_padding``), or None if none were dispatched.
+            ``mask_foreign_weights``, and on expand padding rows), or None if none were dispatched.
         handle: Handle for :func:`combine` (``handle.num_valid_rows``: rows holding data, on the device).
     """
 
@@ -87,7 +87,9 @@ class DispatchConfig:
         backend: Backend class (a registered, usable backend).
         layout: Receive layout (compact by default; Megatron layers use expand).
         expert_alignment: Expand layout: each expert block is padded to a multiple of this.
-        zero_padding: Expand layout: padding rows and their weights are zero-filled.
+        zero_padding: Expand layout: zero-fill the padding rows and their weights. None (the default): whenever
+            blocks are padded (``expert_alignment`` > 1). False is rejected there: the rows would hold whatever the
+            memory held before, and a grouped GEMM's weight gradient reads them.
         num_sms: SMs for the communication kernels (0 = backend's choice).
         host_sync: Whether the dispatch may wait on the host for exact sizes.
         deterministic: Bit-exact run to run.
@@ -105,7 +107,7 @@ class DispatchConfig:
     backend: type[DispatchBackend]
     layout: ExpertLayout = ExpertLayout.COMPACT
     expert_alignment: int = 1
-    zero_padding: bool = False
+    zero_padding: Optional[bool] = None
     num_sms: int = 0
     host_sync: bool = True
     deterministic: bool = False
@@ -194,8 +196,9 @@ class Dispatcher:
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
         self.config = config
         self.group = group
-        self.routing = Routing(num_experts, config.layout, config.expert_alignment, config.zero_padding,
-                               config.host_sync)
+        padded = config.layout is ExpertLayout.EXPAND and config.expert_alignment > 1
+        self.routing = Routing(num_experts, config.layout, config.expert_alignment,
+                               padded and config.zero_padding is not False, config.host_sync)
         #: The input signature whose static checks passed last (the checks are a function of it).
         self._signature: Any = None
         self._buffer: Optional[DispatchBackend] = None

@@ -49,7 +49,7 @@ def check_dispatch_inputs(
     limits: BackendLimits,
     layout: ExpertLayout,
     expert_alignment: int,
-    zero_padding: bool,
+    zero_padding: Optional[bool],
     num_max_tokens_per_rank: Optional[int] = None,
     check_values: bool = False,
 ) -> Optional[Exception]:
@@ -64,7 +64,7 @@ def check_dispatch_inputs(
         limits: The backend's static limits.
         layout: Requested receive layout.
         expert_alignment: Expand block alignment.
-        zero_padding: Whether expand padding is zero-filled.
+        zero_padding: Whether expand padding is zero-filled (None: whenever there is padding).
         num_max_tokens_per_rank: Token capacity to check ``T`` against, or None to skip.
         check_values: Also check expert id values (reads ``topk_idx`` on the host).
 
@@ -128,6 +128,12 @@ def check_dispatch_inputs(
         return ValueError(f"expert_alignment={expert_alignment!r} must be an integer >= 1 (1 = no padding).")
     if zero_padding and layout is not ExpertLayout.EXPAND:
         return ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
+    if zero_padding is False and layout is ExpertLayout.EXPAND and isinstance(expert_alignment, int) \
+            and expert_alignment > 1:
+        return ValueError(f"zero_padding=False with layout='expand' and expert_alignment={expert_alignment} would "
+                          "leave the padding rows holding whatever the memory held (NaN or -inf included), and a "
+                          "grouped GEMM's weight gradient reads them. Leave zero_padding unset (it zero-fills "
+                          "whenever blocks are padded), or use expert_alignment=1 for blocks without padding.")
     if num_max_tokens_per_rank is not None and num_tokens > num_max_tokens_per_rank:
         return ValueError(f"This rank dispatches {num_tokens} tokens but num_max_tokens_per_rank="
                           f"{num_max_tokens_per_rank}. Raise num_max_tokens_per_rank "

@@ -23,9 +23,9 @@ ordered by local expert, then by global source index; every reduction runs in a 
 accumulation over the top-k slots in slot order, one cast at the end, as DeepEP's combine does).
 Running the same inputs twice gives bit-identical outputs whatever the thread scheduling.
 
-Padding rows of the expand layout are always zero (with or without ``zero_padding``), which the
-contract allows: without ``zero_padding`` their content is unspecified. So are rows past the valid
-extent without host sync.
+What the contract leaves unspecified is filled so that a consumer reading it cannot pass unnoticed:
+padding rows of the expand layout without ``zero_padding`` are NaN (every byte 0xFF: NaN in each float
+dtype, FP8 included), and so are their weights. Rows past the valid extent without host sync are zero.
 """
 
 from __future__ import annotations
@@ -341,35 +341,37 @@ class ReferenceBackend(DispatchBackend):
     # Layout helpers
     # ------------------------------------------------------------------------------------------
     @staticmethod
-    def _to_expanded(rows: torch.Tensor, plan: _RoutingPlan) -> torch.Tensor:
-        """Copies received rows to their expand-layout positions (padding rows stay zero).
+    def _to_expanded(rows: torch.Tensor, plan: _RoutingPlan, padding: int) -> torch.Tensor:
+        """Copies received rows to their expand-layout positions; padding rows get the byte ``padding``.
 
         Works on bytes so that every dtype (FP8 included) takes the same path. Unselected entries all
         land in one extra row, dropped at the end.
         """
         row_bytes = _as_byte_columns(rows)
-        out = row_bytes.new_zeros((plan.num_expanded_rows + 1, row_bytes.shape[1]))
+        out = row_bytes.new_full((plan.num_expanded_rows + 1, row_bytes.shape[1]), padding)
         num_topk = plan.recv_local_idx.shape[1]
         source_rows = torch.div(plan.expand_source, num_topk, rounding_mode="floor")
         out[plan.expand_positions] = row_bytes[source_rows]
         return _from_byte_columns(out[:-1], rows.dtype, tuple(rows.shape[1:]))
 
     @staticmethod
-    def _expanded_weights(recv_weights: torch.Tensor, plan: _RoutingPlan) -> torch.Tensor:
-        out = recv_weights.new_zeros((plan.num_expanded_rows + 1,))
+    def _expanded_weights(recv_weights: torch.Tensor, plan: _RoutingPlan, padding: float) -> torch.Tensor:
+        out = recv_weights.new_full((plan.num_expanded_rows + 1,), padding)
         out[plan.expand_positions] = recv_weights.flatten()[plan.expand_source]
         return out[:-1]
 
     def _expand_rows(
-        self, recv_x: HiddenStates, recv_weights: Optional[torch.Tensor], plan: _RoutingPlan
+        self, recv_x: HiddenStates, recv_weights: Optional[torch.Tensor], plan: _RoutingPlan, zero_padding: bool
     ) -> tuple[HiddenStates, Optional[torch.Tensor]]:
-        """Moves received compact rows (and their weights) into the expand layout of ``plan``."""
+        """Moves received compact rows (and their weights) into the expand layout of ``plan``; padding rows are
+        zero with ``zero_padding``, else NaN (unspecified by the contract)."""
+        padding = 0 if zero_padding else 0xFF
         if isinstance(recv_x, tuple):
-            recv_x = tuple(self._to_expanded(t, plan) for t in recv_x)
+            recv_x = tuple(self._to_expanded(t, plan, padding) for t in recv_x)
         else:
-            recv_x = self._to_expanded(recv_x, plan)
+            recv_x = self._to_expanded(recv_x, plan, padding)
         if recv_weights is not None:
-            recv_weights = self._expanded_weights(recv_weights, plan)
+            recv_weights = self._expanded_weights(recv_weights, plan, 0.0 if zero_padding else math.nan)
         return recv_x, recv_weights
 
     def _unpack_recv(self, received: list[torch.Tensor], is_fp8: bool) -> tuple[HiddenStates, list[torch.Tensor]]:
@@ -382,7 +384,7 @@ class ReferenceBackend(DispatchBackend):
     # ------------------------------------------------------------------------------------------
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                  routing: Routing, streams: Streams = SYNC) -> DispatchOutput:
-        num_experts, layout, expert_alignment, _, host_sync = routing  # padding rows are always zero here
+        num_experts, layout, expert_alignment, zero_padding, host_sync = routing
         is_fp8 = isinstance(x, tuple)
         data = list(x) if is_fp8 else [x]
         num_tokens = topk_idx.shape[0]
@@ -423,7 +425,7 @@ class ReferenceBackend(DispatchBackend):
             tokens_per_expert, tokens_per_expert_list = self._plan_expand(
                 plan, expert_alignment, num_local_experts, host_sync
             )
-            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan)
+            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, zero_padding)
             out_idx, num_recv_rows = None, plan.num_expanded_rows
             num_valid_rows = tokens_per_expert.sum()
         else:
@@ -490,7 +492,8 @@ class ReferenceBackend(DispatchBackend):
         recv_x, rest = self._unpack_recv(received, is_fp8)
         recv_weights = rest[0] if topk_weights is not None else None
         if handle.layout is ExpertLayout.EXPAND:
-            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan)
+            # Zero padding always, as the DeepEP adapter asks of a cached dispatch (combine backward's gradient).
+            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, zero_padding=True)
             out_idx = None
         else:
             out_idx = plan.recv_local_idx

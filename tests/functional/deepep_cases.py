@@ -562,6 +562,37 @@ def no_host_sync_combine_backward_tail_rows_are_zero() -> None:
 
 
 @case
+def expand_padding_rows_are_zero_on_nan_memory() -> None:
+    """Expand with alignment 16 and ``zero_padding`` left at its default, on memory the allocator hands out full of
+    NaNs: padding rows and their weights are zero (equal to the reference backend's rows bitwise), so a grouped GEMM's
+    weight gradient over whole blocks stays finite, with and without host sync (where DeepEP is not deterministic,
+    each block's rows are compared in a canonical order)."""
+    x, idx, w, _ = _ops_inputs()
+    for host_sync in (True, False):
+        results = {}
+        for backend in ("reference", "deepep"):
+            poison = torch.full((1 << 29,), float("nan"), dtype=torch.bfloat16, device="cuda")
+            del poison  # the allocator's cached 1 GiB block now holds NaNs
+            out = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, backend=backend,
+                               num_max_tokens_per_rank=1024, host_sync=host_sync, deterministic=host_sync)
+            valid = int(out.handle.num_valid_rows)
+            counts = out.tokens_per_expert.tolist()
+            rows, weights = out.recv_x[:valid], out.recv_topk_weights[:valid]
+            # The weight gradient of one linear layer per expert block with an all-ones output gradient: X^T 1.
+            weight_grads = [block.float().t() @ torch.ones(len(block), 1, device="cuda")
+                            for block in rows.split(counts) if len(block)]
+            assert all(g.isfinite().all() for g in weight_grads), f"{backend} host_sync={host_sync}: NaN in dW"
+            assert weights.isfinite().all(), f"{backend} host_sync={host_sync}: NaN padding weights"
+            order = torch.cat([start + (block.float().sum(1) + blockw).argsort(stable=True)
+                               for start, block, blockw in zip(torch.tensor([0, *counts]).cumsum(0).tolist(),
+                                                               rows.split(counts), weights.split(counts))])
+            results[backend] = (rows[order].clone(), weights[order].clone())
+        exact(f"host_sync={host_sync} rows", results["deepep"][0], results["reference"][0])
+        exact(f"host_sync={host_sync} weights", results["deepep"][1], results["reference"][1])
+    dv2.destroy_buffers()
+
+
+@case
 def micro_batches_in_flight_across_rebuilds() -> None:
     """Four micro-batches' forwards, then their backwards in reverse order, with the token count growing twice: the
     ElasticBuffer is rebuilt while earlier handles still wait for their backward. Outputs and gradients equal the

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2.backends import ExpertLayout, Routing
+from megatron_deepepv2.backends import Routing
 from tests.distributed import run_distributed
 from tests.oracle import make_problem
 
@@ -53,13 +53,13 @@ def _compact_worker(rank: int, world: int) -> None:
     assert result.handle.tokens_per_expert_list == counts.tolist()
 
 
-def _expand_worker(rank: int, world: int, alignment: int) -> None:
+def _expand_worker(rank: int, world: int, alignment: int, zero_padding: bool | None) -> None:
     problem = make_problem(4, TOKENS[:world], HIDDEN, EXPERTS, TOPK)
     mine = problem.rows(rank)
     local = EXPERTS // world
     result = dv2.dispatch(
         problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], EXPERTS,
-        layout="expand", expert_alignment=alignment, zero_padding=True,
+        layout="expand", expert_alignment=alignment, zero_padding=zero_padding,
     )
     assert result.recv_topk_idx is None
     assert result.recv_topk_weights.dim() == 1
@@ -96,7 +96,7 @@ def _cached_worker(rank: int, world: int, layout: str) -> None:
     cached = buffer.cached_dispatch(other, first.handle, w)
     assert cached.handle is first.handle
     assert torch.equal(cached.recv_x, fresh.recv_x)
-    raw_fresh = buffer.dispatch(other, idx, w, Routing(EXPERTS, ExpertLayout.parse(layout), expert_alignment=4))
+    raw_fresh = buffer.dispatch(other, idx, w, first.handle.routing)  # the routing the op chose (zero padding)
     assert torch.equal(cached.recv_topk_weights, raw_fresh.recv_topk_weights)
     if layout == "compact":
         assert torch.equal(cached.recv_topk_idx, fresh.recv_topk_idx)
@@ -124,9 +124,10 @@ def test_compact_rows_are_source_rank_major_with_local_ids(world: int) -> None:
     run_distributed(_compact_worker, world)
 
 
-@pytest.mark.parametrize("alignment", [1, 16, 128])
-def test_expand_rows_grouped_by_expert_in_source_order_with_zero_padding(alignment: int) -> None:
-    run_distributed(_expand_worker, 4, alignment)
+@pytest.mark.parametrize("alignment, zero_padding", [(1, None), (16, True), (16, None), (128, None)])
+def test_expand_rows_grouped_by_expert_in_source_order_with_zero_padding(alignment: int, zero_padding) -> None:
+    """Padding rows are zero whether asked for or left to the default (the backend leaves them NaN otherwise)."""
+    run_distributed(_expand_worker, 4, alignment, zero_padding)
 
 
 @pytest.mark.parametrize("layout", ["compact", "expand"])

@@ -52,6 +52,8 @@ def _mutate(case: str, x, idx, w):
         idx[3, 1] = idx[3, 0]
     elif case == "zero_padding_compact":
         kwargs["zero_padding"] = True
+    elif case == "unzeroed_padding":
+        kwargs["layout"], kwargs["expert_alignment"], kwargs["zero_padding"] = "expand", 4, False
     elif case == "bad_alignment":
         kwargs["layout"], kwargs["expert_alignment"] = "expand", 0
     elif case == "bad_layout":
@@ -73,6 +75,7 @@ CASES = {
     "negative_expert": (ValueError, "outside [-1, 8): token 0"),
     "duplicate_expert": (ValueError, "same expert twice for token 3"),
     "zero_padding_compact": (ValueError, "zero_padding=True only applies"),
+    "unzeroed_padding": (ValueError, "zero_padding=False with layout='expand' and expert_alignment=4"),
     "bad_alignment": (ValueError, "expert_alignment=0"),
 }
 
