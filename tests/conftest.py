@@ -27,6 +27,10 @@ LONG_TESTS = {
     "tests/unit/test_validation.py::test_each_failure_is_reported_with_its_own_cause": 5,
     "tests/unit/test_bench_hot_path.py::test_without_a_gpu_it_says_what_it_needs": 4,
     "tests/unit/test_distributed_harness.py::test_a_hung_rank_fails_after_the_timeout_with_its_stack": 4,
+    # GPU jobs (skipped at once without GPUs): they run one at a time, so the GPU must be busy from the start.
+    "tests/functional/test_deepep.py::": 1000,
+    "tests/unit/test_readme.py::test_gpu_blocks_run_on_a_gpu_machine": 900,
+    "tests/determinism/test_replay.py::test_elastic_buffer_moe_layer_replays_under_torchrun": 800,
 }
 
 

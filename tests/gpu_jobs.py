@@ -1,7 +1,7 @@
 """How the pytest wrappers of the GPU suites start their torchrun jobs: one at a time, on a free port.
 
 ``make test`` runs pytest with ``-n auto``, so the GPU wrappers (the functional suite, the ElasticBuffer replays,
-the training comparison) can be collected by different workers at once. Each job needs all GPUs and a rendezvous
+`make demo` of the README test) can be collected by different workers at once. Each job needs all GPUs and a rendezvous
 port, so :func:`run_gpu_job` holds a machine-wide file lock for the job's duration and every torchrun command gets
 a port that is free when it is built. The environment is the test process's minus the settings the test conftest
 forces for CPU tests (value validation synchronises the host, which the no-host-sync and CUDA-graph cases forbid).
@@ -42,9 +42,13 @@ def torchrun_command(script: str, *args: str, nproc: int = 2) -> list[str]:
 
 
 @contextlib.contextmanager
-def exclusive_gpus() -> Iterator[None]:
-    """Holds the machine-wide GPU-job lock (waits for a job of another pytest worker to finish)."""
-    with open(LOCK_PATH, "a") as lock:
+def exclusive_gpus(lock_path: Path = LOCK_PATH) -> Iterator[None]:
+    """Holds the machine-wide GPU-job lock (waits for a job of another pytest worker to finish).
+
+    Args:
+        lock_path: The lock file (another one only in the lock's own test, which must not wait for real GPU jobs).
+    """
+    with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

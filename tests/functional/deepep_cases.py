@@ -6,7 +6,7 @@ every kernel, stream, event, graph and determinism property runs, without NVLink
 token counts with an empty rank need two ranks and run from two on. ``tests/functional/test_deepep.py``
 launches this file; it can also be run by hand::
 
-    EP_DISABLE_GIN=1 torchrun --nproc-per-node 1 tests/functional/deepep_cases.py [CASE ...]   # or 2, 4, 8
+    EP_DISABLE_GIN=1 torchrun --nproc-per-node 1 tests/functional/deepep_cases.py [CASE ...] [--except=CASE ...]
 
 Prints ``PASS name`` / ``SKIP name: reason`` / ``FAIL name`` per case and exits non-zero when any case failed.
 """
@@ -712,7 +712,9 @@ def main() -> int:
     from megatron_deepepv2.testing.moe_model import init_expert_parallel
 
     init_expert_parallel()
-    selected = sys.argv[1:] or list(CASES)
+    excepted = {arg.removeprefix("--except=") for arg in sys.argv[1:] if arg.startswith("--except=")}
+    selected = [name for name in ([arg for arg in sys.argv[1:] if not arg.startswith("--")] or CASES)
+                if name not in excepted]
     outcomes = {"passed": 0, "skipped": 0, "failed": 0}
     world = dist.get_world_size()
     for name in selected:

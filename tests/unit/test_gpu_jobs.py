@@ -31,11 +31,11 @@ def test_gpu_job_environment_drops_the_cpu_test_validation(monkeypatch) -> None:
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
 
 
-def test_gpu_jobs_run_one_at_a_time() -> None:
+def test_gpu_jobs_run_one_at_a_time(tmp_path) -> None:
     spans: list[tuple[float, float]] = []
 
     def job() -> None:
-        with exclusive_gpus():
+        with exclusive_gpus(tmp_path / "gpu.lock"):  # not the machine's lock: real GPU jobs may hold it for minutes
             start = time.monotonic()
             time.sleep(0.3)
             spans.append((start, time.monotonic()))
