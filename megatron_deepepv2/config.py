@@ -28,6 +28,8 @@ DEFAULT_NUM_SMS = 64
 
 #: Values of the ``manager`` setting.
 MANAGERS = ("plugin", "native")
+#: Values of the ``experts`` setting.
+EXPERTS = ("spec", "sync_free")
 
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -75,6 +77,11 @@ class DeepepV2Settings:
             ``plugin`` (this package's: expand layout, no host sync, CUDA graphs, determinism, DeepEP lines) or
             ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing). Read by
             ``install()``.
+        experts: The experts module of deepepv2 layers: ``spec`` (what the layer spec says) or ``sync_free``
+            (Megatron's ``SequentialMLP``, which the local spec builds, becomes
+            :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters and checkpoints, two
+            grouped GEMMs, and it takes device-side counts, as no host sync needs). Lets an unchanged training script
+            such as ``pretrain_gpt.py`` run without host sync.
     """
 
     backend: str = "auto"
@@ -89,6 +96,7 @@ class DeepepV2Settings:
     no_host_sync: bool = False
     fp8_dispatch: bool = False
     manager: str = "plugin"
+    experts: str = "spec"
 
     def __post_init__(self) -> None:
         self.layout = ExpertLayout.parse(self.layout)
@@ -97,6 +105,11 @@ class DeepepV2Settings:
         if self.manager not in MANAGERS:
             raise ValueError(f"manager={self.manager!r} is not one of {', '.join(MANAGERS)} (MEGATRON_DEEPEPV2_MANAGER: "
                              "'plugin' for this package's deepepv2, 'native' for megatron-core's own).")
+        self.experts = str(self.experts).lower().replace("-", "_")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts={self.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS: "
+                             "'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
+                             "SequentialMLP).")
         if self.num_max_tokens_per_rank is not None and int(self.num_max_tokens_per_rank) <= 0:
             raise ValueError(
                 f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token count, "

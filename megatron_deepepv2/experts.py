@@ -40,7 +40,8 @@ from megatron_deepepv2 import expert_kernels
 
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
-    "megatron_deepepv2.experts.SyncFreeSequentialMLP as the experts module of the layer spec, or "
+    "megatron_deepepv2.experts.SyncFreeSequentialMLP as the experts module of the layer spec (for an unchanged "
+    "script with the local spec: MEGATRON_DEEPEPV2_EXPERTS=sync_free), or "
     "TEGroupedMLP with --moe-grouped-gemm --use-transformer-engine-op-fuser (megatron-core >= 0.19 with "
     "Transformer Engine). Or unset MEGATRON_DEEPEPV2_NO_HOST_SYNC."
 )
@@ -387,12 +388,36 @@ def with_sync_free_experts(layer_spec: Any) -> Any:
     if experts is None:
         raise ValueError("with_sync_free_experts needs a layer spec whose mlp is a MoE layer with an experts module "
                          "(e.g. get_gpt_layer_local_spec(num_experts=...)).")
-    moe_submodules = dataclasses.replace(moe_submodules, experts=_with_module(experts, SyncFreeSequentialMLP))
+    moe_submodules = sync_free_submodules(moe_submodules)
     if isinstance(mlp, functools.partial):
         mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules})
     else:
         mlp = dataclasses.replace(mlp, submodules=moe_submodules)
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp))
+
+
+def sync_free_submodules(moe_submodules: Any) -> Any:
+    """A copy of a MoE layer's submodules whose ``SequentialMLP`` experts are :class:`SyncFreeSequentialMLP`.
+
+    Args:
+        moe_submodules: Megatron's ``MoESubmodules``.
+
+    Returns:
+        The copy (``moe_submodules`` itself when its experts already are :class:`SyncFreeSequentialMLP`).
+
+    Raises:
+        ValueError: If the experts are another module: they have other parameters and checkpoints.
+    """
+    experts = moe_submodules.experts
+    module = experts.func if isinstance(experts, functools.partial) else getattr(experts, "module", experts)
+    if module is SyncFreeSequentialMLP:
+        return moe_submodules
+    if module is not SequentialMLP:
+        raise ValueError(f"MEGATRON_DEEPEPV2_EXPERTS=sync_free replaces SequentialMLP (the local spec's experts) with "
+                         f"SyncFreeSequentialMLP; this layer's experts are {getattr(module, '__name__', module)}, "
+                         "whose parameters and checkpoints differ. Unset MEGATRON_DEEPEPV2_EXPERTS, or build the "
+                         "model with the local spec.")
+    return dataclasses.replace(moe_submodules, experts=_with_module(experts, SyncFreeSequentialMLP))
 
 
 def _with_module(spec: Any, module: type) -> Any:

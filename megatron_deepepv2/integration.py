@@ -276,11 +276,19 @@ def _patch_moe_layer_expert_check() -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs) -> None:
-        original(self, *args, **kwargs)
-        from megatron_deepepv2.experts import check_experts_take_device_counts  # noqa: PLC0415
+        from megatron_deepepv2.config import get_settings  # noqa: PLC0415
+        from megatron_deepepv2.experts import check_experts_take_device_counts, sync_free_submodules  # noqa: PLC0415
         from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
 
-        if is_deepepv2(self.config) and not dispatch_config_for(self.config).host_sync:
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        deepepv2 = is_deepepv2(config)
+        if deepepv2 and get_settings().experts == "sync_free":
+            if kwargs.get("submodules") is not None:
+                kwargs["submodules"] = sync_free_submodules(kwargs["submodules"])
+            elif len(args) > 1 and args[1] is not None:
+                args = (args[0], sync_free_submodules(args[1]), *args[2:])
+        original(self, *args, **kwargs)
+        if deepepv2 and not dispatch_config_for(self.config).host_sync:
             check_experts_take_device_counts(self.experts)
 
     __init__._deepepv2_plugin = True  # type: ignore[attr-defined]

@@ -260,6 +260,49 @@ def test_no_host_sync_rejects_experts_that_read_counts_on_the_host() -> None:
     assert "Megatron layers dispatch in the expand layout only" in errors[1]
 
 
+def _experts_setting(rank: int, world: int) -> list[str]:
+    _setup()
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_deepepv2.experts import SyncFreeSequentialMLP
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3)
+    reference = build_moe_layer(shape, "alltoall")
+    with dv2.settings_override(no_host_sync=True, experts="sync_free", num_max_tokens_per_rank=16, validate=False):
+        untouched = build_moe_layer(shape, "alltoall")
+        layer = build_moe_layer(shape, "deepepv2")  # the local spec: SequentialMLP
+    assert type(reference.experts) is SequentialMLP and type(untouched.experts) is SequentialMLP
+    assert type(layer.experts) is SyncFreeSequentialMLP, type(layer.experts)
+    layer.load_state_dict(reference.state_dict())  # SequentialMLP's checkpoint keys
+    x = torch.randn(12, 1, shape.hidden, generator=torch.Generator().manual_seed(rank))
+    torch.testing.assert_close(layer(x)[0], reference(x)[0], rtol=1e-5, atol=1e-6)
+    return [type(layer.experts).__name__]
+
+
+def test_experts_setting_builds_sync_free_experts_from_the_local_spec() -> None:
+    """MEGATRON_DEEPEPV2_EXPERTS=sync_free: an unchanged local spec runs without host sync, deepepv2 layers only."""
+    assert run_distributed(_experts_setting, 2) == [["SyncFreeSequentialMLP"]] * 2
+
+
+def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -> None:
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from megatron_deepepv2.experts import sync_free_submodules
+
+    class GroupedExperts(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="this layer's experts are GroupedExperts"):
+        sync_free_submodules(MoESubmodules(experts=GroupedExperts))
+    assert dataclasses.is_dataclass(MoESubmodules)
+    monkeypatch.setenv("MEGATRON_DEEPEPV2_EXPERTS", "grouped")
+    with pytest.raises(ValueError, match="MEGATRON_DEEPEPV2_EXPERTS: 'spec' for"):
+        dv2.DeepepV2Settings.from_env()
+
+
 def _graphs_left_after_a_step(rank: int, world: int, no_host_sync: bool) -> list[str]:
     _setup()
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
