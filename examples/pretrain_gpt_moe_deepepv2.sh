@@ -1,34 +1,51 @@
 #!/usr/bin/env bash
-# Small GPT-MoE pretraining on mock data with Megatron-LM's own pretrain_gpt.py and the deepepv2 dispatcher.
+# GPT-MoE pretraining on mock data with Megatron-LM's own pretrain_gpt.py and the deepepv2 dispatcher.
 #
 #   examples/pretrain_gpt_moe_deepepv2.sh /path/to/Megatron-LM [NUM_GPUS] [extra pretrain_gpt.py args...]
 #
-# The Megatron-LM checkout must match the installed megatron-core release (its pretrain_gpt.py, gpt_builders.py
-# and model_provider.py are used unchanged). The script only prefixes the launch with `-m megatron_deepepv2.run`,
-# which installs the backend before Megatron parses `--moe-flex-dispatcher-backend deepepv2`.
-# Backend: DeepEP's ElasticBuffer when usable, else the portable reference backend (MEGATRON_DEEPEPV2_BACKEND).
-# Extra args override the defaults below (e.g. `--train-iters 200`). For an alltoall baseline pass
-# `--moe-token-dispatcher-type alltoall --moe-flex-dispatcher-backend deepep` (deepepv2 requires the flex dispatcher).
+# The Megatron-LM checkout must match the installed megatron-core release (its pretrain_gpt.py, gpt_builders.py,
+# model_provider.py and megatron/ are used unchanged; e.g. the core_v0.19.0 tag for megatron-core 0.19.x). The launch
+# only prefixes pretrain_gpt.py with `-m megatron_deepepv2.run`, which installs the backend before Megatron parses
+# `--moe-flex-dispatcher-backend deepepv2`. Backend: DeepEP's ElasticBuffer when usable, else the portable reference
+# backend (MEGATRON_DEEPEPV2_BACKEND).
+#
+# The model: 8 layers, hidden 1024, 64 experts of FFN 256 per layer, top-8, sequence 1024, 4 sequences per GPU and
+# micro-batch, local spec (no Transformer Engine), SwiGLU without biases. SwiGLU, not Megatron's default GELU: the
+# experts scale by the router probability inside the MLP, and megatron-core 0.19's fused bias-activation path supports
+# that only for SwiGLU and quick GELU ("Only support fusion of swiglu and quick_gelu with per_token_scale in MLP"),
+# with either dispatcher. Biases off: SyncFreeSequentialMLP (MEGATRON_DEEPEPV2_EXPERTS=sync_free) has none.
+#
+# Extra args override the defaults below (e.g. `--train-iters 200`). Variants, by environment or arguments:
+#   Megatron's alltoall baseline:  ... --moe-token-dispatcher-type alltoall --moe-flex-dispatcher-backend deepep
+#   FP8 dispatch:                   MEGATRON_DEEPEPV2_FP8_DISPATCH=1
+#   grouped-GEMM experts:           MEGATRON_DEEPEPV2_EXPERTS=sync_free
+#   no host sync + CUDA graphs:     MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 MEGATRON_DEEPEPV2_EXPERTS=sync_free ... \
+#                                   --cuda-graph-impl local
+# RUNNER replaces `-m megatron_deepepv2.run` (e.g. `tools/train_gpt.py record --out run.jsonl --`, which also
+# records every step).
 set -euo pipefail
 
 MEGATRON_LM=${1:?usage: $0 /path/to/Megatron-LM [NUM_GPUS] [extra args...]}
-NUM_GPUS=${2:-2}
+NUM_GPUS=${2:-1}
 shift $(( $# >= 2 ? 2 : 1 ))
 
 export EP_DISABLE_GIN=${EP_DISABLE_GIN:-1}            # single node without an RDMA NIC
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
+RUNNER=${RUNNER:--m megatron_deepepv2.run}
 
-exec torchrun --nproc-per-node "$NUM_GPUS" -m megatron_deepepv2.run "$MEGATRON_LM/pretrain_gpt.py" \
+# shellcheck disable=SC2086  # RUNNER is a command line
+exec torchrun --nproc-per-node "$NUM_GPUS" --master-port "${MASTER_PORT:-29500}" $RUNNER "$MEGATRON_LM/pretrain_gpt.py" \
     --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
-    --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion \
-    --no-bias-gelu-fusion --no-bias-swiglu-fusion \
-    --num-layers 2 --hidden-size 1024 --ffn-hidden-size 2048 --num-attention-heads 8 \
+    --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion \
+    --no-rope-fusion --no-bias-swiglu-fusion \
+    --num-layers 8 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16 \
     --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope \
-    --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --moe-router-dtype fp32 \
+    --swiglu --disable-bias-linear \
+    --num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 256 --moe-router-dtype fp32 \
     --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size "$NUM_GPUS" \
     --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepepv2 \
-    --micro-batch-size 2 --global-batch-size $(( 4 * NUM_GPUS )) --train-iters 50 \
-    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.01 --clip-grad 1.0 \
-    --bf16 --seed 1234 --log-interval 5 --eval-iters 0 --eval-interval 1000 \
+    --micro-batch-size 4 --global-batch-size $(( 4 * NUM_GPUS )) --train-iters 50 \
+    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.01 --clip-grad 1.0 \
+    --bf16 --seed 1234 --log-interval 10 --eval-iters 0 --eval-interval 100000 \
     "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -61,3 +62,50 @@ def test_usage_errors(capsys: pytest.CaptureFixture) -> None:
 
     assert main(["/no/such/script.py"]) == 2 and "does not exist" in capsys.readouterr().err
     assert main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
+FAKE_TORCHRUN = textwrap.dedent(
+    """\
+    #!/usr/bin/env bash
+    # torchrun for one rank in this process: its options dropped, the rank's environment set
+    while [ $# -gt 0 ]; do case "$1" in --nproc-per-node|--master-port|--master-addr) shift 2;; *) break;; esac; done
+    export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
+    exec "$PYTHON" "$@"
+    """
+)
+# pretrain_gpt.py's argument handling, up to the model's TransformerConfig (the rest needs a GPU).
+PRETRAIN_ARGUMENTS = textwrap.dedent(
+    """
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    args = parse_args()
+    validate_args(args)
+    config = core_transformer_config_from_args(args)
+    print("CONFIG", config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend, config.num_moe_experts,
+          config.gated_linear_unit, config.bias_activation_fusion, config.deterministic_mode, config.cuda_graph_impl)
+    """
+)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ([], "CONFIG flex deepepv2 64 True False False none"),
+    (["--moe-token-dispatcher-type", "alltoall", "--moe-flex-dispatcher-backend", "deepep", "--deterministic-mode",
+      "--cuda-graph-impl", "local"], "CONFIG alltoall deepep 64 True False True local"),
+])
+def test_example_launch_parses_and_validates(tmp_path: Path, extra: list[str], expected: str) -> None:
+    """examples/pretrain_gpt_moe_deepepv2.sh: its arguments pass Megatron's parsing and validation with the plugin,
+    and give the model SwiGLU without the fused bias-activation path (which the experts' per-token scale breaks on
+    megatron-core 0.19 with GELU)."""
+    bin_dir, tree = tmp_path / "bin", tmp_path / "Megatron-LM"
+    bin_dir.mkdir()
+    tree.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    (tree / "pretrain_gpt.py").write_text(PRETRAIN_ARGUMENTS)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "MASTER_PORT": "29999"}
+    done = subprocess.run(["bash", str(root / "examples" / "pretrain_gpt_moe_deepepv2.sh"), str(tree), "1", *extra],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert expected in done.stdout, done.stdout[-2000:]

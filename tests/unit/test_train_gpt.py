@@ -1,0 +1,89 @@
+"""``tools/train_gpt.py`` on the CPU: the step recorder around Megatron's training log, and the report of runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from tools import train_gpt
+
+
+def test_recorder_keeps_each_step_exactly_and_passes_the_call_on(tmp_path: Path, monkeypatch) -> None:
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
+                        argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1), raising=False)
+    monkeypatch.setenv("MEGATRON_DEEPEPV2_EXPERTS", "sync_free")
+    calls = []
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, params_norm, *rest, **kwargs):
+        calls.append((iteration, params_norm, kwargs))
+        return "flag"
+
+    path = tmp_path / "run.jsonl"
+    recorded = train_gpt.StepRecorder(str(path), "deepepv2").wrap(training_log)
+    losses = [torch.tensor(v, dtype=torch.float32) for v in (10.123456789, 9.87654321, 9.5)]
+    for iteration, loss in enumerate(losses, start=1):
+        flag = recorded({"lm loss": loss, "load_balancing_loss": torch.tensor([3.0, 2.0])}, {}, 3e-4, iteration,
+                        1.0, True, 0, 0.25 * iteration, None, is_first_iteration=iteration == 1)
+        assert flag == "flag"
+    assert [c[0] for c in calls] == [1, 2, 3] and calls[0][2] == {"is_first_iteration": True}
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    header, steps = lines[0], lines[1:]
+    assert header["label"] == "deepepv2" and header["tokens_per_step"] == 32
+    assert header["environment"]["MEGATRON_DEEPEPV2_EXPERTS"] == "sync_free"
+    for step, loss in zip(steps, losses):
+        assert float.fromhex(step["losses_hex"]["lm loss"]) == loss.item()  # the float32 value, bit for bit
+        assert step["losses"]["load_balancing_loss"] == 1.5  # a (sum, count) pair
+        assert float.fromhex(step["grad_norm_hex"]) == 0.25 * step["iteration"]
+    assert steps[0]["seconds"] is None and all(s["seconds"] >= 0 for s in steps[1:])
+
+
+def _write_run(path: Path, label: str, losses: list[float], seconds: list[float], tokens: int = 4096) -> str:
+    lines = [{"label": label, "tokens_per_step": tokens}]
+    for i, (loss, s) in enumerate(zip(losses, seconds), start=1):
+        lines.append({"iteration": i, "losses": {"lm loss": loss}, "losses_hex": {"lm loss": loss.hex()},
+                      "grad_norm": 1.0 / i, "grad_norm_hex": (1.0 / i).hex(), "seconds": s})
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return str(path)
+
+
+def test_report_compares_runs_with_a_baseline_and_bit_for_bit(tmp_path: Path) -> None:
+    base_losses = [10.0 - 0.01 * i for i in range(40)]
+    run_losses = [v + (0.003 if i == 17 else 0.001) for i, v in enumerate(base_losses)]
+    base = _write_run(tmp_path / "a.jsonl", "alltoall", base_losses, [None] + [0.2] * 39)
+    run = _write_run(tmp_path / "b.jsonl", "deepepv2", run_losses, [None] + [0.1 + 0.001 * i for i in range(39)])
+    twin = _write_run(tmp_path / "c.jsonl", "twin", run_losses, [None] * 40)
+    off = list(run_losses)
+    off[25] = math.nextafter(off[25], math.inf)  # one ulp
+    differs = _write_run(tmp_path / "d.jsonl", "off", off, [None] * 40)
+
+    document = train_gpt.report([base, run], "alltoall", [f"{run}:{twin}", f"{run}:{differs}"], skip=10)
+    by_label = {r["label"]: r for r in document["runs"]}
+    expected_step_s = statistics.median(0.1 + 0.001 * i for i in range(9, 39))  # steps 11..40
+    assert math.isclose(by_label["deepepv2"]["median_step_ms"], expected_step_s * 1e3)
+    assert math.isclose(by_label["deepepv2"]["tokens_per_s"], 4096 / expected_step_s)
+    assert math.isclose(by_label["alltoall"]["tokens_per_s"], 4096 / 0.2)
+    gap = document["loss_gap"]["deepepv2"]
+    assert gap["iterations"] == 40 and gap["at_iteration"] == 18 and math.isclose(gap["max_abs"], 0.003, rel_tol=1e-6)
+    assert math.isclose(gap["last_abs"], 0.001, rel_tol=1e-6)
+    same, other = document["bitwise"]
+    assert same["equal"] and same["range"] == [1, 40]
+    assert not other["equal"] and other["first_difference"] == 26
+
+
+def test_report_command_fails_when_runs_that_must_be_equal_differ(tmp_path: Path) -> None:
+    losses = [5.0, 4.0, 3.0]
+    first = _write_run(tmp_path / "x.jsonl", "x", losses, [None, 0.1, 0.1])
+    second = _write_run(tmp_path / "y.jsonl", "y", [5.0, 4.0, 3.0000001], [None, 0.1, 0.1])
+    assert train_gpt.main(["report", first, "--out", str(tmp_path / "o"), "--equal", f"{first}:{first}"]) == 0
+    assert train_gpt.main(["report", first, second, "--out", str(tmp_path / "o"), "--equal", f"{first}:{second}"]) == 1
+    document = json.loads((tmp_path / "o" / "training.json").read_text())
+    assert document["bitwise"][0]["first_difference"] == 3
