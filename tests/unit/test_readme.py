@@ -41,7 +41,7 @@ GPU_GPT_MOE_ARGS = (
     "--swiglu --disable-bias-linear --num-layers 2 --hidden-size 512 --ffn-hidden-size 1024 --num-attention-heads 8 --seq-length 256 "
     "--max-position-embeddings 256 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 512 "
     "--micro-batch-size 2 --global-batch-size {batch} --expert-model-parallel-size {gpus} --train-iters 10 "
-    "--lr 3e-4 --bf16 --eval-iters 0 --eval-interval 1000"
+    "--lr 3e-4 --bf16 --eval-iters 0 --eval-interval 1000 --log-interval 5"
 )
 
 
@@ -167,18 +167,25 @@ def test_gpu_blocks_run_on_a_gpu_machine() -> None:
         pytest.skip(reason)
     import torch
 
+    from tests.gpu_jobs import exclusive_gpus, gpu_job_env
+
     gpus = torch.cuda.device_count()
     trees, megatron_lm = os.environ.get("MEGATRON_DEEPEPV2_README_TREES"), os.environ.get("MEGATRON_LM")
     ran = 0
     for block in _of_kind("gpu"):
         for command in block.commands:
-            env = {**os.environ, "NUM_GPUS": str(gpus), "EP_DISABLE_GIN": os.environ.get("EP_DISABLE_GIN", "1"),
-                   "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=gpus, batch=2 * gpus)}
+            env = {**gpu_job_env(), "NUM_GPUS": str(gpus), "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=gpus, batch=2 * gpus)}
             if "install_deepep" in command and trees:
-                done = _run(command, timeout=1200, env=env, cwd=Path(trees))
+                with exclusive_gpus():
+                    done = _run(command, timeout=1200, env=env, cwd=Path(trees))
             elif "pretrain_gpt.py" in command and megatron_lm:
                 env["PYTHONPATH"] = f"{megatron_lm}{os.pathsep}{env.get('PYTHONPATH', '')}"
-                done = _run(command, timeout=1200, env=env, cwd=Path(megatron_lm))
+                with exclusive_gpus():
+                    done = _run(command, timeout=1200, env=env, cwd=Path(megatron_lm))
+                output = done.stdout + done.stderr
+                # Ten steps on ElasticBuffer: the deepepv2 layers took the DeepEP backend and training finished.
+                assert "_DeepepV2Manager (backend deepep" in output and re.search(r"iteration\s+10/\s+10 \|", output), \
+                    output[-4000:]
             else:
                 continue
             assert done.returncode == 0, f"{command}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
