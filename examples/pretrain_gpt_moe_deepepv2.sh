@@ -21,6 +21,7 @@
 #   grouped-GEMM experts:           MEGATRON_DEEPEPV2_EXPERTS=sync_free
 #   no host sync + CUDA graphs:     MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 MEGATRON_DEEPEPV2_EXPERTS=sync_free ... \
 #                                   --cuda-graph-impl local
+#   determinism:                    ... --deterministic-mode  (megatron-core < 0.19 also needs NCCL_ALGO=Ring)
 # RUNNER replaces `-m megatron_deepepv2.run` (e.g. `tools/train_gpt.py record --out run.jsonl --`, which also
 # records every step).
 set -euo pipefail
