@@ -23,6 +23,7 @@ LONG_TESTS = {
     "tests/unit/test_readme.py::test_python_blocks_run": 8,
     "tests/unit/test_run_entry_point.py::test_example_launch_parses_and_validates": 8,
     "tests/unit/test_checkpoints.py::": 12,
+    "tests/unit/test_readme.py::test_gpu_launch_arguments_parse_and_validate_here": 8,
     "tests/unit/test_bench_fp8.py::": 8,
     "tests/unit/test_distributed_harness.py::test_forked_ranks_start_with_megatron_imported_and_fresh_ones_without": 7,
     "tests/unit/test_install_deepep.py::test_compiler_probe_on_this_machine_tells_static_from_dynamic": 5,
