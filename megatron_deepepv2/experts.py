@@ -379,7 +379,7 @@ def with_sync_free_experts(layer_spec: Any) -> Any:
         The spec with the experts module replaced; ``layer_spec`` itself is unchanged.
 
     Raises:
-        ValueError: If the spec has no MoE experts to replace.
+        ValueError: If the spec has no MoE experts to replace, or they are not ``SequentialMLP``.
     """
     mlp = layer_spec.submodules.mlp
     moe_submodules = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(
