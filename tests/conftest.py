@@ -18,7 +18,6 @@ LONG_TESTS = {
     "tests/unit/test_readme.py::test_make_targets_run_as_written": 12,
     "tests/unit/test_run_entry_point.py::test_without_the_plugin_megatron_rejects_deepepv2": 11,
     "tests/unit/test_demo.py::": 10,
-    "tests/unit/test_run_entry_point.py::test_run_installs_plugin_and_passes_arguments": 10,
     "tests/unit/test_spawn_on_free_port.py::": 10,
     "tests/unit/test_readme.py::test_python_blocks_run": 8,
     "tests/unit/test_run_entry_point.py::test_example_launch_parses_and_validates": 8,
