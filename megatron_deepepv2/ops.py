@@ -196,9 +196,9 @@ class Dispatcher:
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
         self.config = config
         self.group = group
+        # Padding rows are zeroed whenever there are any (zero_padding=False there fails the checks in prepare).
         padded = config.layout is ExpertLayout.EXPAND and config.expert_alignment > 1
-        self.routing = Routing(num_experts, config.layout, config.expert_alignment,
-                               padded and config.zero_padding is not False, config.host_sync)
+        self.routing = Routing(num_experts, config.layout, config.expert_alignment, padded, config.host_sync)
         #: The input signature whose static checks passed last (the checks are a function of it).
         self._signature: Any = None
         self._buffer: Optional[DispatchBackend] = None
