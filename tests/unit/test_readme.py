@@ -198,19 +198,14 @@ def test_gpu_blocks_run_on_a_gpu_machine() -> None:
 def test_gpu_launch_arguments_parse_and_validate_here(tmp_path: Path) -> None:
     """The README's launch with the arguments its GPU test gives it passes Megatron's parsing and validation with the
     plugin on this megatron-core (a torchrun stand-in runs one rank; a pretrain_gpt.py stand-in stops at the config)."""
-    from tests.unit.test_run_entry_point import FAKE_TORCHRUN, PRETRAIN_ARGUMENTS
+    from tests.launch_stand_ins import stand_in_launch
 
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "torchrun").write_text(FAKE_TORCHRUN)
-    (tmp_path / "bin" / "torchrun").chmod(0o755)
-    (tmp_path / "pretrain_gpt.py").write_text(PRETRAIN_ARGUMENTS)
     launches = [c for block in _of_kind("gpu") for c in block.commands if "pretrain_gpt.py" in c]
     assert launches, "the README has no pretrain_gpt.py launch"
-    env = {**_cpu_env(), "PYTHON": sys.executable, "NUM_GPUS": "1", "MASTER_PORT": "29999",
-           "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=1, batch=2)}
-    env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+    tree, env = stand_in_launch(tmp_path, {**_cpu_env(), "NUM_GPUS": "1",
+                                           "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=1, batch=2)})
     for command in launches:
-        done = _run(command, timeout=240, env=env, cwd=tmp_path)
+        done = _run(command, timeout=240, env=env, cwd=tree)
         assert done.returncode == 0, f"{command}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
         assert "CONFIG flex deepepv2 8 True False" in done.stdout, done.stdout[-2000:]
 

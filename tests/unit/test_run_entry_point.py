@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch_stand_ins import stand_in_launch
+
 
 def _megatron_ships_deepepv2() -> bool:
     code = ("from megatron.core.transformer.moe import token_dispatcher as t; "
@@ -53,49 +55,15 @@ def test_usage_errors(capsys: pytest.CaptureFixture) -> None:
     assert main([]) == 2 and "usage:" in capsys.readouterr().err
 
 
-FAKE_TORCHRUN = textwrap.dedent(
-    """\
-    #!/usr/bin/env bash
-    # torchrun for one rank in this process: its options dropped, the rank's environment set
-    while [ $# -gt 0 ]; do case "$1" in --nproc-per-node|--master-port|--master-addr) shift 2;; *) break;; esac; done
-    export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
-    exec "$PYTHON" "$@"
-    """
-)
-# pretrain_gpt.py's argument handling, up to the model's TransformerConfig (the rest needs a GPU).
-PRETRAIN_ARGUMENTS = textwrap.dedent(
-    """
-    import sys
-    from megatron.core.transformer.moe import moe_layer
-    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
-
-    assert getattr(moe_layer.MoEFlexTokenDispatcher, "_deepepv2_plugin", False), "megatron_deepepv2.run installs it"
-    args = parse_args()
-    validate_args(args)
-    config = core_transformer_config_from_args(args)
-    print("ARGV", sys.argv[1:3])
-    print("CONFIG", config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend, config.num_moe_experts,
-          config.gated_linear_unit, config.bias_activation_fusion, config.deterministic_mode, config.cuda_graph_impl)
-    """
-)
-
-
 def test_example_launch_parses_and_validates(tmp_path: Path) -> None:
     """examples/pretrain_gpt_moe_deepepv2.sh through ``python -m megatron_deepepv2.run``: the plugin is installed, the
     script gets its arguments, which pass Megatron's parsing and validation (with the determinism and CUDA-graph
     variants' flags) and give the model SwiGLU without the fused bias-activation path (which the experts' per-token
     scale breaks on megatron-core 0.19 with GELU)."""
     extra = ["--deterministic-mode", "--cuda-graph-impl", "local"]
-    bin_dir, tree = tmp_path / "bin", tmp_path / "Megatron-LM"
-    bin_dir.mkdir()
-    tree.mkdir()
-    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
-    (bin_dir / "torchrun").chmod(0o755)
-    (tree / "pretrain_gpt.py").write_text(PRETRAIN_ARGUMENTS)
+    # --deterministic-mode: megatron-core < 0.19 asks the launcher for NCCL_ALGO; 0.19 sets it itself.
+    tree, env = stand_in_launch(tmp_path, {**os.environ, "NCCL_ALGO": "Ring"})
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "MASTER_PORT": "29999"}
-    env["NCCL_ALGO"] = "Ring"  # --deterministic-mode: megatron-core < 0.19 asks the launcher for it; 0.19 sets it
     done = subprocess.run(["bash", str(root / "examples" / "pretrain_gpt_moe_deepepv2.sh"), str(tree), "1", *extra],
                           capture_output=True, text=True, timeout=240, env=env, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -1,0 +1,56 @@
+"""Stand-ins for checking a ``pretrain_gpt.py`` launch on CPU: ``torchrun`` for one rank in the calling process, and a
+``pretrain_gpt.py`` that runs Megatron's argument handling up to the model's ``TransformerConfig`` and prints it (the
+rest needs a GPU). Tests run a launch command as written with the stand-ins first on ``PATH`` / in the tree."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+TORCHRUN = textwrap.dedent(
+    """\
+    #!/usr/bin/env bash
+    # torchrun for one rank in this process: its options dropped, the rank's environment set
+    while [ $# -gt 0 ]; do case "$1" in --nproc-per-node|--master-port|--master-addr) shift 2;; *) break;; esac; done
+    export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
+    exec "$PYTHON" "$@"
+    """
+)
+PRETRAIN_ARGUMENTS = textwrap.dedent(
+    """
+    import sys
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    assert getattr(moe_layer.MoEFlexTokenDispatcher, "_deepepv2_plugin", False), "megatron_deepepv2.run installs it"
+    args = parse_args()
+    validate_args(args)
+    config = core_transformer_config_from_args(args)
+    print("ARGV", sys.argv[1:3])
+    print("CONFIG", config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend, config.num_moe_experts,
+          config.gated_linear_unit, config.bias_activation_fusion, config.deterministic_mode, config.cuda_graph_impl)
+    """
+)
+
+
+def stand_in_launch(folder: Path, env: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """Writes the stand-ins into ``folder``.
+
+    Args:
+        folder: An empty folder.
+        env: The environment to run the launch in.
+
+    Returns:
+        The Megatron-LM tree holding the stand-in ``pretrain_gpt.py``, and ``env`` with the stand-in ``torchrun``
+        first on ``PATH`` and the interpreter it runs.
+    """
+    bin_dir, tree = folder / "bin", folder / "Megatron-LM"
+    bin_dir.mkdir()
+    tree.mkdir()
+    (bin_dir / "torchrun").write_text(TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    (tree / "pretrain_gpt.py").write_text(PRETRAIN_ARGUMENTS)
+    return tree, {**env, "PYTHON": sys.executable, "MASTER_PORT": "29999",
+                  "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
