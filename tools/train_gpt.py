@@ -27,6 +27,7 @@ every step, so each call follows the step's end); the report takes the median ov
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -85,8 +86,6 @@ class StepRecorder:
 
     def wrap(self, training_log: Any) -> Any:
         """Returns ``training_log`` with the recording around it."""
-        import functools  # noqa: PLC0415
-
         import torch.distributed as dist  # noqa: PLC0415
 
         @functools.wraps(training_log)
