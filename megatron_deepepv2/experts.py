@@ -30,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
 from megatron_deepepv2 import expert_kernels
@@ -184,8 +186,9 @@ class SyncFreeSequentialMLP(SequentialMLP):
 
     * **Parameters**: the experts' FC1 and FC2 weights live stacked as ``weight1 [E, fc1_out, H]`` and
       ``weight2 [E, H, ffn]`` (initialised exactly as ``SequentialMLP`` initialises its experts), so no forward
-      stacks or splits weights. ``state_dict`` / ``load_state_dict`` and Megatron's ``sharded_state_dict`` use
-      ``SequentialMLP``'s keys (``local_experts.<i>.linear_fc1.weight``, ...), so checkpoints move freely
+      stacks or splits weights. ``state_dict`` / ``load_state_dict`` use ``SequentialMLP``'s keys
+      (``local_experts.<i>.linear_fc1.weight``, ...) and Megatron's ``sharded_state_dict`` writes its shards (while
+      Megatron's optimizers shard their states through the stacked parameters), so checkpoints move freely
       between the two.
     * **Compute**: ``torch._grouped_mm`` per projection with the expert offsets computed on the device; the
       activation times the router probabilities runs as one fused Triton kernel forward and one backward
@@ -255,9 +258,19 @@ class SyncFreeSequentialMLP(SequentialMLP):
                 del linear._buffers["weight"]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """``SequentialMLP``'s sharded state dict (same keys and shards), over views of the stacked weights."""
+        """Megatron's distributed-checkpoint entries: ``SequentialMLP``'s shards, built from the stacked weights.
+
+        Each stacked weight is one ``ShardedTensorFactory`` whose data is the parameter itself: Megatron's optimizers
+        find a parameter's entry by identity and shard their states (same shape as the parameter) through it. Built,
+        it yields exactly ``SequentialMLP``'s per-expert entries (same keys, global shapes and offsets), so
+        checkpoints move freely between the two modules.
+        """
         with self._expert_weight_views():
-            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            entries = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name, linear in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
+            per_expert = [entries.pop(f"{prefix}{self._expert_key(i, linear)}") for i in range(self.num_local_experts)]
+            entries[f"{prefix}{name}"] = _stacked_factory(getattr(self, name), per_expert)
+        return entries
 
     def backward_dw(self) -> None:
         """Nothing to do: weight gradients are computed in backward (delayed weight gradients are rejected)."""
@@ -345,6 +358,55 @@ class SyncFreeSequentialMLP(SequentialMLP):
         intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
         output = torch._grouped_mm(intermediate, self.weight2.transpose(1, 2), offs=offsets)
         return torch.where(in_blocks, output, 0) if in_blocks is not None else output
+
+
+def _renamed_like(key: str, original: str, renamed: str) -> str:
+    """``key`` with the change of prefix that turned ``original`` into ``renamed``.
+
+    Megatron renames sharded entries by prefix after a module returns them (a transformer block drops the local
+    layer index, an optimizer prepends ``optimizer.state.<name>.``); a factory passes the rename on to what it builds.
+    """
+    common = len(os.path.commonprefix([original[::-1], renamed[::-1]]))
+    old, new = original[: len(original) - common], renamed[: len(renamed) - common]
+    if not key.startswith(old):
+        raise ValueError(f"cannot rename the expert shard {key!r} as {original!r} became {renamed!r}")
+    return new + key[len(old):]
+
+
+def _stacked_factory(stacked: torch.nn.Parameter, per_expert: list) -> ShardedTensorFactory:
+    """One factory over a stacked ``[E, out, in]`` weight that builds the experts' own sharded entries.
+
+    Args:
+        stacked: The stacked parameter (or, when an optimizer rebuilds the factory, a state of its shape).
+        per_expert: ``SequentialMLP``'s entry of each local expert's weight (``ShardedTensor``, or the SwiGLU
+            ``ShardedTensorFactory`` of a gated FC1), in expert order.
+
+    Returns:
+        The factory: built, expert ``i``'s entry over ``data[i]``; merged after loading, the experts' weights
+        stacked again.
+    """
+    first = per_expert[0]
+
+    @torch.no_grad()
+    def build(key: str, data: torch.Tensor, replica_id: Any, flattened_range: Optional[slice]) -> list:
+        if flattened_range is not None:
+            raise NotImplementedError(
+                "SyncFreeSequentialMLP's stacked expert weights cannot be saved flattened (a distributed optimizer's "
+                "'fully_sharded_model_space' format); use the default distributed-optimizer checkpoint format.")
+        built = []
+        for index, entry in enumerate(per_expert):
+            changes = dict(key=_renamed_like(entry.key, first.key, key), data=data[index], replica_id=replica_id)
+            if isinstance(entry, ShardedTensorFactory):
+                built.append(dataclasses.replace(entry, **changes).build())
+            else:
+                built.append(dataclasses.replace(entry, dtype=data.dtype, **changes))
+        return built
+
+    def merge(loaded: list) -> torch.Tensor:
+        return torch.stack([entry.merge_fn(part) if isinstance(entry, ShardedTensorFactory) else part
+                            for entry, part in zip(per_expert, loaded)])
+
+    return ShardedTensorFactory(first.key, stacked, build, merge, first.replica_id)
 
 
 def _expert_keys_in_state_dict(module: SyncFreeSequentialMLP, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -2,8 +2,8 @@
 
 Two gloo CPU ranks (EP 2) train a small GPT with MoE layers (local spec, experts built as ``SyncFreeSequentialMLP``
 by ``MEGATRON_DEEPEPV2_EXPERTS=sync_free``, deterministic) for two steps, save a Megatron distributed checkpoint of
-the model (``dist_checkpointing``, the ``torch_dist`` format ``pretrain_gpt.py`` writes) and the optimizer, and train
-two more steps. Then every deepepv2 buffer is destroyed, a model with other initial weights is built, the checkpoint
+the model and of the optimizer as Megatron's optimizers shard it (``dist_checkpointing``, the ``torch_dist`` format
+``pretrain_gpt.py`` writes: each optimizer state sharded like its parameter), and train two more steps. Then every deepepv2 buffer is destroyed, a model with other initial weights is built, the checkpoint
 loaded, and the two steps run again: losses and the final parameters must equal the uninterrupted run's bit for bit.
 Nothing of the dispatcher is saved or restored by hand: the buffer and the dispatch configuration come back by
 themselves.
@@ -55,6 +55,27 @@ def _step(model, optimizer, step: int, rank: int) -> torch.Tensor:
     return loss.detach()
 
 
+def _megatron(optimizer: torch.optim.Adam):
+    """Megatron's optimizer around ``optimizer`` (its FP32 variant: the mixed-precision ones need CUDA), for the
+    checkpoint: Megatron maps every optimizer parameter to the model's sharded entry over it and shards its states
+    the same way."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+    class CpuFP32Optimizer(FP32Optimizer):
+        def __init__(self, inner: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn) -> None:
+            MegatronOptimizer.__init__(self, inner, config, init_state_fn)  # FP32Optimizer's puts a scale on CUDA
+            self._scale, self.is_stub_optimizer = torch.ones(1), False
+
+    def adam_states(inner: torch.optim.Optimizer, config=None) -> None:  # Megatron's Adam init_state_fn
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param].update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+
+    return CpuFP32Optimizer(optimizer, OptimizerConfig(optimizer="adam", lr=1e-2), adam_states)
+
+
 def _resume(rank: int, world: int, directory: str) -> dict:
     from megatron.core import dist_checkpointing
 
@@ -74,16 +95,21 @@ def _resume(rank: int, world: int, directory: str) -> dict:
     if rank == 0:
         checkpoint.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(checkpoint))
-    torch.save(optimizer.state_dict(), Path(directory) / f"optimizer_rank{rank}.pt")
+    model_shards = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_shards, "optimizer": _megatron(optimizer).sharded_state_dict(model_shards)},
+                            str(checkpoint))
     uninterrupted = [_step(model, optimizer, step, rank) for step in (3, 4)]
     final = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     dv2.destroy_buffers()  # what a new process starts with
     model, optimizer = _model(seed=2)
     assert any(not torch.equal(p, final[n]) for n, p in model.named_parameters())  # other weights before loading
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(checkpoint)))
-    optimizer.load_state_dict(torch.load(Path(directory) / f"optimizer_rank{rank}.pt"))
+    model_shards, megatron_optimizer = model.sharded_state_dict(), _megatron(optimizer)
+    loaded = dist_checkpointing.load({"model": model_shards,
+                                      "optimizer": megatron_optimizer.sharded_state_dict(model_shards, is_loading=True)},
+                                     str(checkpoint))
+    model.load_state_dict(loaded["model"])
+    megatron_optimizer.load_state_dict(loaded["optimizer"])
     resumed = [_step(model, optimizer, step, rank) for step in (3, 4)]
     for step, (a, b) in enumerate(zip(resumed, uninterrupted), start=3):
         assert torch.equal(a, b), f"step {step}: resumed loss {a.item()!r} != uninterrupted {b.item()!r}"

@@ -7,6 +7,8 @@ kernels) run on a GPU machine and skip elsewhere.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,7 +173,7 @@ def test_bfloat16_on_cpu_matches_sequential_mlp() -> None:
     run_distributed(_compare_case, 1, "swiglu", torch.bfloat16, "cpu", True, TAIL)
 
 
-def _checkpoint_case(rank: int, world: int) -> None:
+def _checkpoint_case(rank: int, world: int, directory: str) -> None:
     ref = _build("sequential", "swiglu", torch.float32, "cpu", seed=11)
     new = _build("sync_free", "swiglu", torch.float32, "cpu", seed=11)
     ref_sd, new_sd = ref.state_dict(), new.state_dict()
@@ -195,23 +197,54 @@ def _checkpoint_case(rank: int, world: int) -> None:
     with pytest.raises(RuntimeError, match="local_experts"):
         new.load_state_dict(broken, strict=True)
     assert torch.equal(new.weight1, before)
-    # Megatron's distributed checkpoint: the same sharded keys, global shapes and offsets as SequentialMLP's.
-    ref_sharded, new_sharded = ref.sharded_state_dict(), new.sharded_state_dict()
-    assert sorted(ref_sharded) == sorted(new_sharded)
-    for key, value in ref_sharded.items():
-        got = new_sharded[key]
-        assert type(got) is type(value), key
-        for attr in ("global_shape", "global_offset", "replica_id"):
-            if hasattr(value, attr):
-                assert getattr(got, attr) == getattr(value, attr), (key, attr)
-        if isinstance(getattr(value, "data", None), torch.Tensor):
-            assert torch.equal(got.data, value.data), key
+    # Megatron's distributed checkpoint: built, the same shards as SequentialMLP's (keys, global shapes, offsets,
+    # replica ids, values), and every parameter has an entry over itself, which Megatron's optimizers need to shard
+    # their states like the parameters.
+    assert _built_shards(new) == _built_shards(ref)
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    mapped = get_param_id_to_sharded_param_map(new.sharded_state_dict(), new.parameters())
+    assert sorted(mapped) == list(range(len(list(new.parameters())))), mapped
+    # Flattened shards (a distributed optimizer's 'fully_sharded_model_space' format) are refused, saying why.
+    import dataclasses
+
+    with pytest.raises(NotImplementedError, match="cannot be saved flattened"):
+        dataclasses.replace(new.sharded_state_dict()["weight1"], flattened_range=slice(0, 8)).build()
+    # A checkpoint written by one module loads into the other, and back.
+    from megatron.core import dist_checkpointing
+
+    from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # Megatron's checkpoint writer synchronises CUDA
+
+    for name, (source, target) in {"to_sequential": (new, _build("sequential", "swiglu", torch.float32, "cpu", seed=13)),
+                                   "to_sync_free": (ref, _build("sync_free", "swiglu", torch.float32, "cpu", seed=14))
+                                   }.items():
+        folder = Path(directory) / name
+        folder.mkdir()
+        dist_checkpointing.save(source.sharded_state_dict(), str(folder))
+        target.load_state_dict(dist_checkpointing.load(target.sharded_state_dict(), str(folder)), strict=True)
+        loaded = target.state_dict()
+        for key, value in source.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(loaded[key], value), (name, key)
     # After the sharded view, the experts again have no weight of their own (one copy of each parameter).
     assert {name for name, _ in new.named_parameters()} == {"weight1", "weight2"}
 
 
-def test_checkpoints_move_between_sequential_mlp_and_sync_free() -> None:
-    run_distributed(_checkpoint_case, 1)
+def _built_shards(module) -> list[tuple]:
+    """The module's distributed-checkpoint shards as Megatron writes them (factories built), in a stable order."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    entries = module.sharded_state_dict()
+    apply_factories(entries)
+    return sorted((type(t).__name__, t.key, t.global_shape, t.global_offset, t.replica_id,
+                   t.data.tolist() if isinstance(t.data, torch.Tensor) else None) for t in nested_values(entries))
+
+
+def test_checkpoints_move_between_sequential_mlp_and_sync_free(tmp_path: Path) -> None:
+    run_distributed(_checkpoint_case, 1, str(tmp_path))
 
 
 def _attributes_case(rank: int, world: int) -> tuple[dict, dict]:
