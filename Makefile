@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers: one per core, and at least 4. Most long tests wait on interpreters they start (ranks, tools,
+# make targets), so on a 2-core machine 2 workers leave the cores idle ~40% of the time; 4 fill them.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? 4 : n )))
 
 # Older megatron-core releases the integration is checked against (make test-compat; CI runs it too).
 COMPAT_MCORE ?= 0.17.1 0.18.2
@@ -35,7 +38,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) tools/check_kernel_determinism_coverage.py --all
-	$(PY) -m pytest -n auto -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -q $(PYTEST_ARGS)
 
 # Each older release goes into its own small folder (megatron-core only, no dependencies) that PYTHONPATH puts before
 # .venv's site-packages, so the compat runs share .venv's torch instead of installing a multi-GB copy per release.
@@ -49,14 +52,14 @@ test-compat: $(STAMP)
 	  echo "== megatron-core $$v"; \
 	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -c "import importlib.metadata as m, megatron.core; \
 	    assert m.version('megatron-core') == '$$v', m.version('megatron-core')" || exit 1; \
-	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n auto -q $(COMPAT_TESTS) || exit 1; \
+	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n $(TEST_WORKERS) -q $(COMPAT_TESTS) || exit 1; \
 	done
 
 # Coexistence with a native deepepv2: the policy tests, then the Megatron-facing tests, against MEGATRON_LM's tree.
 test-native: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-native MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
 	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q -rs tests/unit/test_native_megatron.py
-	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q $(COMPAT_TESTS)
+	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n $(TEST_WORKERS) -q $(COMPAT_TESTS)
 
 clean:
 	rm -rf .venv $(COMPAT_DIR) build *.egg-info  # never an environment given as VENV=

@@ -1,4 +1,5 @@
-"""Shared pytest configuration: value validation is on in every test process and rank; long tests start first."""
+"""Shared pytest configuration: value validation is on and torch.compile off in every test process and rank; long
+tests start first."""
 
 import gc
 import os
@@ -7,6 +8,9 @@ import pytest
 
 # The documented switch (megatron_deepepv2.config): host-side checks plus cross-rank agreement on errors.
 os.environ.setdefault("MEGATRON_DEEPEPV2_VALIDATE", "1")
+# torch.compile off: Megatron's jit_fuser compiles activations such as quick_gelu at first use, about 25 s in every
+# fresh process on a 2-core machine; these tests compare numerics, not the compiler. (GPU jobs drop both settings.)
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # Tests that take many seconds (most start interpreters of their own, which import torch and Megatron), by node-id
 # prefix, with a rough cost in seconds on a 2-core machine. Under pytest-xdist they start first, longest first, and

@@ -1,6 +1,6 @@
 """How the pytest wrappers of the GPU suites start their torchrun jobs: one at a time, on a free port.
 
-``make test`` runs pytest with ``-n auto``, so the GPU wrappers (the functional suite, the ElasticBuffer replays,
+``make test`` runs pytest with several ``-n`` workers, so the GPU wrappers (the functional suite, the ElasticBuffer replays,
 `make demo` of the README test) can be collected by different workers at once. Each job needs all GPUs and a rendezvous
 port, so :func:`run_gpu_job` holds a machine-wide file lock for the job's duration and every torchrun command gets
 a port that is free when it is built. The environment is the test process's minus the settings the test conftest
@@ -23,7 +23,7 @@ from tests.distributed import free_port
 ROOT = Path(__file__).resolve().parents[1]
 LOCK_PATH = Path(tempfile.gettempdir()) / "megatron_deepepv2_gpu_job.lock"
 #: Set by tests/conftest.py for the CPU tests; the GPU cases choose their own settings.
-CPU_TEST_SETTINGS = ("MEGATRON_DEEPEPV2_VALIDATE",)
+CPU_TEST_SETTINGS = ("MEGATRON_DEEPEPV2_VALIDATE", "TORCHDYNAMO_DISABLE")
 
 
 def gpu_job_env() -> dict[str, str]:
