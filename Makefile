@@ -58,7 +58,7 @@ test-compat: $(STAMP)
 # Coexistence with a native deepepv2: the policy tests, then the Megatron-facing tests, against MEGATRON_LM's tree.
 test-native: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-native MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
-	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n auto -q -rs tests/unit/test_native_megatron.py
+	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n $(TEST_WORKERS) -q -rs tests/unit/test_native_megatron.py
 	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n $(TEST_WORKERS) -q $(COMPAT_TESTS)
 
 clean:

@@ -268,7 +268,8 @@ class SyncFreeSequentialMLP(SequentialMLP):
         with self._expert_weight_views():
             entries = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         for name, linear in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
-            per_expert = [entries.pop(f"{prefix}{self._expert_key(i, linear)}") for i in range(self.num_local_experts)]
+            keys = [f"{prefix}{self._expert_key(i, linear)}" for i in range(self.num_local_experts)]
+            per_expert = [entries.pop(key) for key in keys]
             entries[f"{prefix}{name}"] = _stacked_factory(getattr(self, name), per_expert)
         return entries
 

@@ -1,9 +1,9 @@
 """How the pytest wrappers of the GPU suites start their torchrun jobs: one at a time, on a free port.
 
-``make test`` runs pytest with several ``-n`` workers, so the GPU wrappers (the functional suite, the ElasticBuffer replays,
-`make demo` of the README test) can be collected by different workers at once. Each job needs all GPUs and a rendezvous
-port, so :func:`run_gpu_job` holds a machine-wide file lock for the job's duration and every torchrun command gets
-a port that is free when it is built. The environment is the test process's minus the settings the test conftest
+``make test`` runs pytest with several ``-n`` workers, so the GPU wrappers (the functional suite, the ElasticBuffer
+replays, `make demo` of the README test) can be collected by different workers at once. Each job needs all GPUs and a
+rendezvous port, so :func:`run_gpu_job` holds a machine-wide file lock for the job's duration and every torchrun
+command gets a port that is free when it is built. The environment is the test process's minus the settings the test conftest
 forces for CPU tests (value validation synchronises the host, which the no-host-sync and CUDA-graph cases forbid).
 """
 

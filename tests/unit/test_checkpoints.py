@@ -3,8 +3,9 @@
 Two gloo CPU ranks (EP 2) train a small GPT with MoE layers (local spec, experts built as ``SyncFreeSequentialMLP``
 by ``MEGATRON_DEEPEPV2_EXPERTS=sync_free``, deterministic) for two steps, save a Megatron distributed checkpoint of
 the model and of the optimizer as Megatron's optimizers shard it (``dist_checkpointing``, the ``torch_dist`` format
-``pretrain_gpt.py`` writes: each optimizer state sharded like its parameter), and train two more steps. Then every deepepv2 buffer is destroyed, a model with other initial weights is built, the checkpoint
-loaded, and the two steps run again: losses and the final parameters must equal the uninterrupted run's bit for bit.
+``pretrain_gpt.py`` writes: each optimizer state sharded like its parameter), and train two more steps. Then every
+deepepv2 buffer is destroyed, a model with other initial weights is built, the checkpoint loaded, and the two steps
+run again: losses and the final parameters must equal the uninterrupted run's bit for bit.
 Nothing of the dispatcher is saved or restored by hand: the buffer and the dispatch configuration come back by
 themselves.
 """
@@ -105,9 +106,8 @@ def _resume(rank: int, world: int, directory: str) -> dict:
     model, optimizer = _model(seed=2)
     assert any(not torch.equal(p, final[n]) for n, p in model.named_parameters())  # other weights before loading
     model_shards, megatron_optimizer = model.sharded_state_dict(), _megatron(optimizer)
-    loaded = dist_checkpointing.load({"model": model_shards,
-                                      "optimizer": megatron_optimizer.sharded_state_dict(model_shards, is_loading=True)},
-                                     str(checkpoint))
+    optimizer_shards = megatron_optimizer.sharded_state_dict(model_shards, is_loading=True)
+    loaded = dist_checkpointing.load({"model": model_shards, "optimizer": optimizer_shards}, str(checkpoint))
     model.load_state_dict(loaded["model"])
     megatron_optimizer.load_state_dict(loaded["optimizer"])
     resumed = [_step(model, optimizer, step, rank) for step in (3, 4)]

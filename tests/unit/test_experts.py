@@ -7,6 +7,7 @@ kernels) run on a GPU machine and skip elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -206,8 +207,6 @@ def _checkpoint_case(rank: int, world: int, directory: str) -> None:
     mapped = get_param_id_to_sharded_param_map(new.sharded_state_dict(), new.parameters())
     assert sorted(mapped) == list(range(len(list(new.parameters())))), mapped
     # Flattened shards (a distributed optimizer's 'fully_sharded_model_space' format) are refused, saying why.
-    import dataclasses
-
     with pytest.raises(NotImplementedError, match="cannot be saved flattened"):
         dataclasses.replace(new.sharded_state_dict()["weight1"], flattened_range=slice(0, 8)).build()
     # A checkpoint written by one module loads into the other, and back.
@@ -216,10 +215,9 @@ def _checkpoint_case(rank: int, world: int, directory: str) -> None:
     from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
 
     install_cpu_shims()  # Megatron's checkpoint writer synchronises CUDA
-
-    for name, (source, target) in {"to_sequential": (new, _build("sequential", "swiglu", torch.float32, "cpu", seed=13)),
-                                   "to_sync_free": (ref, _build("sync_free", "swiglu", torch.float32, "cpu", seed=14))
-                                   }.items():
+    round_trips = {"to_sequential": (new, _build("sequential", "swiglu", torch.float32, "cpu", seed=13)),
+                   "to_sync_free": (ref, _build("sync_free", "swiglu", torch.float32, "cpu", seed=14))}
+    for name, (source, target) in round_trips.items():
         folder = Path(directory) / name
         folder.mkdir()
         dist_checkpointing.save(source.sharded_state_dict(), str(folder))
