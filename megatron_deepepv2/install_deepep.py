@@ -24,18 +24,28 @@ an earlier run already did it with the same inputs (state in ``--work-dir``):
    the line's buffer class present.
 8. ``doctor``: the doctor's report; its exit status is the installer's.
 
+**Build once, install on every node.** With ``--wheel-dir DIR`` the build also leaves its results in ``DIR`` as
+wheels: ``deep_ep`` is built as a wheel and installed from it (one build), a source-built NCCL is packed as the wheel
+``megatron_deepepv2_nccl`` (library, headers and the ``.pth``), and ``megatron-deepepv2-wheels.json`` records what
+they were built for (GPU architecture, Python, CUDA, NCCL, paths). ``--from-wheels DIR`` then installs them on
+another machine with the same GPU architecture, CUDA and Python, without building anything: steps ``wheels`` (checks
+the manifest against this machine), ``install`` (``pip install --no-index --no-deps`` of the wheels; PyTorch must
+then load the wheel's NCCL), ``verify`` and ``doctor``.
+
 Every action on the machine goes through :class:`System`, so tests inject the build steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import glob
 import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -43,11 +53,13 @@ import sys
 import sysconfig
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from megatron_deepepv2.deepep_lines import (
     DEEPEP_2_1,
+    LINES,
     DeepEPLine,
     Version,
     line_of_source_tree,
@@ -60,12 +72,17 @@ logger = logging.getLogger("megatron_deepepv2.install_deepep")
 
 PTH_NAME = "megatron_deepepv2_nccl.pth"
 STATE_NAME = "state.json"
+#: What ``--wheel-dir`` writes beside the wheels and ``--from-wheels`` reads first.
+WHEEL_MANIFEST = "megatron-deepepv2-wheels.json"
+#: The distribution name of the NCCL wheel.
+NCCL_WHEEL_NAME = "megatron_deepepv2_nccl"
 NVCC_WHEELS = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 _PROBE_SOURCE = '#include <regex>\n#include <string>\nint probe(const char* s) { return std::regex_match(std::string(s), std::regex("a+b")); }\n'
 _PYTHON_PROBE = """
 import json, torch
 from megatron_deepepv2._dist import mapped_nccl_libraries, runtime_nccl_version
-out = {"nccl": runtime_nccl_version(), "mapped": mapped_nccl_libraries(), "cuda": torch.version.cuda}
+out = {"nccl": runtime_nccl_version(), "mapped": mapped_nccl_libraries(), "cuda": torch.version.cuda,
+       "torch": torch.__version__, "python": "%d.%d" % __import__("sys").version_info[:2]}
 if IMPORT_DEEP_EP:
     try:
         import deep_ep
@@ -91,7 +108,8 @@ class InstallOptions:
     """What the user asked for (one field per command-line option).
 
     Attributes:
-        deepep_src: DeepEP source tree, or a git URL to clone (needs network).
+        deepep_src: DeepEP source tree, or a git URL to clone (needs network). Exactly one of it and
+            ``from_wheels``.
         nccl_src: NCCL source tree to build when no suitable NCCL is there.
         nccl_from_registry: Upgrade ``nvidia-nccl-cuXX`` from the package registry when no suitable NCCL is there.
         nvcc_from_registry: Install nvcc >= 13.1 from the package registry when the line needs it and it is missing.
@@ -104,9 +122,11 @@ class InstallOptions:
         replace_deep_ep: Replace a ``deep_ep`` this installer did not install.
         dry_run: Print the plan and the commands; change nothing.
         run_doctor: Finish with the doctor.
+        wheel_dir: Also leave the build's results in this folder as wheels, with their manifest.
+        from_wheels: Install the wheels a ``wheel_dir`` build left in this folder instead of building.
     """
 
-    deepep_src: str
+    deepep_src: Optional[str] = None
     nccl_src: Optional[str] = None
     nccl_from_registry: bool = False
     nvcc_from_registry: bool = False
@@ -118,6 +138,8 @@ class InstallOptions:
     replace_deep_ep: bool = False
     dry_run: bool = False
     run_doctor: bool = True
+    wheel_dir: Optional[str] = None
+    from_wheels: Optional[str] = None
 
 
 def _run_command(cmd: list[str], env: dict[str, str], cwd: Optional[str], log_path: Optional[str]) -> int:
@@ -186,6 +208,7 @@ class System:
         has_distribution_like: Whether a distribution whose name contains a fragment is installed.
         which: Locates an executable.
         site_packages: This environment's site-packages.
+        prefix: This environment's ``sys.prefix`` (where a wheel's data files go).
     """
 
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -200,6 +223,7 @@ class System:
     has_distribution_like: Callable[[str], bool] = _has_distribution_like
     which: Callable[[str], Optional[str]] = shutil.which
     site_packages: Callable[[], str] = lambda: sysconfig.get_paths()["purelib"]
+    prefix: str = sys.prefix
 
 
 def nccl_source_version(path: str) -> Version:
@@ -230,6 +254,90 @@ def _tree_fingerprint(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def write_wheel(wheel_dir: str, name: str, version: str, files: list[tuple[str, str]], summary: str) -> str:
+    """Writes a wheel (``py3-none-linux_<machine>``, root is purelib) of ``files`` into ``wheel_dir``.
+
+    Args:
+        wheel_dir: Output folder.
+        name: Distribution name (``[A-Za-z0-9_]``).
+        version: Its version (a local label such as ``+sm90`` included).
+        files: ``(path inside the wheel, file on disk)`` pairs; a path under ``<name>-<version>.data/data/`` is
+            installed relative to the target environment's ``sys.prefix``.
+        summary: One line for the metadata.
+
+    Returns:
+        The wheel's path.
+    """
+    dist_info = f"{name}-{version}.dist-info"
+    tag = f"py3-none-linux_{platform.machine()}"
+    path = os.path.join(wheel_dir, f"{name}-{version}-{tag}.whl")
+    generated = {
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: {summary}\n",
+        f"{dist_info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: megatron_deepepv2.install_deepep\n"
+                              f"Root-Is-Purelib: true\nTag: {tag}\n",
+    }
+    record = []
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as wheel:
+        entries = [(arcname, None, source) for arcname, source in files]
+        entries += [(arcname, text.encode(), None) for arcname, text in generated.items()]
+        for arcname, data, source in entries:
+            if data is None:
+                with open(source, "rb") as f:
+                    data = f.read()
+            wheel.writestr(zipfile.ZipInfo(arcname, date_time=(2020, 1, 1, 0, 0, 0)), data,
+                           compress_type=zipfile.ZIP_DEFLATED)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{arcname},sha256={digest},{len(data)}")
+        record.append(f"{dist_info}/RECORD,,")
+        wheel.writestr(zipfile.ZipInfo(f"{dist_info}/RECORD", date_time=(2020, 1, 1, 0, 0, 0)),
+                       "\n".join(record) + "\n", compress_type=zipfile.ZIP_DEFLATED)
+    return path
+
+
+def nccl_pth_line(prefix_relative: str) -> str:
+    """The ``.pth`` line that puts ``<sys.prefix>/<prefix_relative>`` first on ``sys.path`` (PyTorch looks there for
+    ``nvidia/nccl/lib/libnccl.so.*``)."""
+    parts = ", ".join(repr(part) for part in prefix_relative.split(os.sep))
+    return (f"import os, sys; p = os.path.join(sys.prefix, {parts}); "
+            "sys.path.insert(0, p) if p not in sys.path else None\n")
+
+
+def build_nccl_wheel(wheel_dir: str, nccl_root: str, prefix_relative: str, version: Version, arch: str) -> str:
+    """Packs a source-built NCCL (``nccl_root`` = ``<prefix>/nvidia/nccl``) as the wheel ``megatron_deepepv2_nccl``.
+
+    The wheel installs the library as ``lib/libnccl.so.<major>`` and the headers (DeepEP's JIT compiles against them at
+    run time) under ``<sys.prefix>/<prefix_relative>/nvidia/nccl`` of the target environment, and the ``.pth`` that
+    makes PyTorch load that library.
+
+    Args:
+        wheel_dir: Output folder.
+        nccl_root: The installed NCCL (``lib/libnccl.so.<version>`` and ``include/``).
+        prefix_relative: Its prefix relative to the environment's ``sys.prefix``.
+        version: NCCL version.
+        arch: The GPU architecture it was built for (``"90"``): the wheel's local version label.
+
+    Returns:
+        The wheel's path.
+    """
+    name = NCCL_WHEEL_NAME
+    wheel_version = f"{version_text(version)}+sm{arch}"
+    data = f"{name}-{wheel_version}.data/data/" + "/".join(prefix_relative.split(os.sep)) + "/nvidia/nccl"
+    library = os.path.realpath(os.path.join(nccl_root, "lib", f"libnccl.so.{version_text(version)}"))
+    files = [(f"{data}/lib/libnccl.so.{version[0]}", library)]
+    include = os.path.join(nccl_root, "include")
+    for folder, _, names in sorted(os.walk(include)):
+        for file_name in sorted(names):
+            path = os.path.join(folder, file_name)
+            files.append((f"{data}/include/" + os.path.relpath(path, include).replace(os.sep, "/"), path))
+    with tempfile.TemporaryDirectory() as tmp:
+        pth = os.path.join(tmp, PTH_NAME)
+        with open(pth, "w", encoding="utf-8") as out:
+            out.write(nccl_pth_line(prefix_relative))
+        files.append((PTH_NAME, pth))
+        return write_wheel(wheel_dir, name, wheel_version, files,
+                           f"NCCL {version_text(version)} built for sm_{arch} by megatron_deepepv2.install_deepep")
+
+
 @dataclass
 class _Plan:
     """What the steps decided; later steps read it."""
@@ -242,6 +350,7 @@ class _Plan:
     nccl_kind: str = ""  # "torch" | "source" | "registry"
     nccl_root: str = ""
     nccl_version: Version = ()
+    nccl_package: str = ""  # the registry package, for "registry"
     cxx: str = ""
     cc: Optional[str] = None
 
@@ -252,16 +361,34 @@ class Installer:
     Args:
         options: What the user asked for.
         system: The machine (default: the real one).
+
+    Raises:
+        InstallError: If the options ask for neither or both of a source tree and wheels.
     """
 
     STEPS = ("source", "toolchain", "nccl", "torch-nccl", "compiler", "deep_ep", "verify", "doctor")
+    #: With ``wheel_dir``: the wheels are written after the build, before the verification.
+    WHEEL_DIR_STEPS = ("source", "toolchain", "nccl", "torch-nccl", "compiler", "deep_ep", "wheels", "verify", "doctor")
+    #: With ``from_wheels``.
+    FROM_WHEELS_STEPS = ("wheels", "install", "verify", "doctor")
 
     def __init__(self, options: InstallOptions, system: Optional[System] = None) -> None:
+        if bool(options.deepep_src) == bool(options.from_wheels):
+            raise InstallError("options", "give either --deepep-src (build) or --from-wheels (install wheels a "
+                               "--wheel-dir build wrote), not both and not neither")
+        if options.from_wheels and options.wheel_dir:
+            raise InstallError("options", "--wheel-dir writes the wheels of a build; --from-wheels installs them: "
+                               "give one")
         self.options = options
         self.system = system or System()
         self.plan = _Plan()
         self._state_path = os.path.join(options.work_dir, STATE_NAME)
         self._state: dict[str, Any] = {}
+        self._manifest: dict[str, Any] = {}
+        if options.from_wheels:
+            self.steps = self.FROM_WHEELS_STEPS
+        else:
+            self.steps = self.WHEEL_DIR_STEPS if options.wheel_dir else self.STEPS
 
     # ------------------------------------------------------------------ driver
     def run(self) -> int:
@@ -274,13 +401,14 @@ class Installer:
         self._load_state()
         status = 0
         started = time.monotonic()
-        for number, name in enumerate(self.STEPS, 1):
+        for number, name in enumerate(self.steps, 1):
             step_started = time.monotonic()
-            logger.info("[%d/%d] %s ...", number, len(self.STEPS), name)
-            outcome = getattr(self, "_step_" + name.replace("-", "_"))()
+            logger.info("[%d/%d] %s ...", number, len(self.steps), name)
+            step = name if name != "wheels" or not self.options.from_wheels else "check-wheels"
+            outcome = getattr(self, "_step_" + step.replace("-", "_"))()
             if name == "doctor" and isinstance(outcome, int):
                 status, outcome = outcome, f"exit status {outcome}"
-            logger.info("[%d/%d] %s: %s (%.1f s)", number, len(self.STEPS), name, outcome,
+            logger.info("[%d/%d] %s: %s (%.1f s)", number, len(self.steps), name, outcome,
                         time.monotonic() - step_started)
         logger.info("done in %.1f s%s", time.monotonic() - started, " (dry run: nothing changed)"
                     if self.options.dry_run else "")
@@ -424,7 +552,8 @@ class Installer:
         self.plan.nccl_kind, self.plan.nccl_root, self.plan.nccl_version = kind, root, version
 
     def _default_nccl_prefix(self, version: Version) -> str:
-        return os.path.join(sys.prefix, "share", "megatron-deepepv2", f"nccl-{version_text(version)}-sm{self.plan.arch}")
+        return os.path.join(self.system.prefix, "share", "megatron-deepepv2",
+                            f"nccl-{version_text(version)}-sm{self.plan.arch}")
 
     def _nccl_from_source(self, found: str) -> str:
         source = os.path.abspath(self.options.nccl_src or "")
@@ -495,6 +624,7 @@ class Installer:
                                f"({', '.join(mapped) or 'none mapped'}); another NCCL earlier on sys.path or "
                                "LD_LIBRARY_PATH wins: remove it")
         self._set_nccl("registry", os.path.dirname(os.path.dirname(os.path.realpath(mapped[0]))), version)
+        self.plan.nccl_package = package
         return f"{found}; installed {package} {version_text(version)} from the registry (undo: {undo})"
 
     def _step_torch_nccl(self) -> str:
@@ -510,13 +640,8 @@ class Installer:
                 out.write(content)
         if self.options.dry_run:
             return f"would write {pth}"
-        probe = self.system.probe_python(self.system.python, False, self.system.env)
-        expected = os.path.realpath(os.path.join(self.plan.nccl_root, "lib", f"libnccl.so.{version_text(self.plan.nccl_version)}"))
-        mapped = [os.path.realpath(p) for p in probe.get("mapped") or []]
-        if mapped != [expected]:
-            raise InstallError("torch-nccl", f"with {pth} in place PyTorch maps {mapped or 'no libnccl'}, not only "
-                               f"{expected}. Something loads another NCCL first (LD_PRELOAD, LD_LIBRARY_PATH, an earlier "
-                               "sys.path entry with nvidia/nccl/lib): remove it and rerun")
+        expected = os.path.join(self.plan.nccl_root, "lib", f"libnccl.so.{version_text(self.plan.nccl_version)}")
+        self._check_torch_loads(expected, "torch-nccl", pth)
         return f"{'unchanged' if current == content else 'wrote'} {pth}: PyTorch loads {expected} (undo: delete {pth})"
 
     def _step_compiler(self) -> str:
@@ -582,20 +707,22 @@ class Installer:
         if installed and ours == {**fingerprint, "installed_version": installed["version"]} and extension \
                 and os.path.isfile(extension):
             self._check_extension(extension)
-            return f"deep_ep {installed['version']} already installed from this tree: {extension}"
+            done = f"deep_ep {installed['version']} already installed from this tree: {extension}"
+            if self.options.wheel_dir and not self._current_deep_ep_wheel(fingerprint):
+                self._build_deep_ep_wheel(fingerprint)  # the wheel alone: the installed build is this tree's
+                done += "; its wheel built anew"
+            return done
         if installed and not self.options.replace_deep_ep and (ours or {}).get("installed_version") != installed["version"]:
             raise InstallError("deep_ep", f"a deep_ep {installed['version']} that this installer did not install is "
                                "already there (DeepEP v1, HybridEP and DeepEP v2 all install the module deep_ep): pass "
                                "--replace-deep-ep to replace it, or use another environment")
-        env = dict(self.system.env)
-        env.update({"CXX": self.plan.cxx, "LDSHARED": f"{self.plan.cxx} -shared", "CUDA_HOME": self.plan.cuda_home,
-                    "TORCH_CUDA_ARCH_LIST": f"{self.plan.arch[:-1]}.{self.plan.arch[-1]}",
-                    "MAX_JOBS": str(self.options.jobs), "EP_NCCL_ROOT_DIR": self.plan.nccl_root})
-        if self.plan.cc:
-            env["CC"] = self.plan.cc
         started = time.monotonic()
-        self._pip("deep_ep", "--no-build-isolation", "--no-deps", "--no-cache-dir", "-v", self.plan.source,
-                  log_name="deep_ep-build.log", env=env)
+        if self.options.wheel_dir:  # one build: the wheel, then this environment installs it
+            wheel = self._build_deep_ep_wheel(fingerprint)
+            self._pip("deep_ep", "--no-index", "--no-deps", "--force-reinstall", wheel, log_name="deep_ep-install.log")
+        else:
+            self._pip("deep_ep", "--no-build-isolation", "--no-deps", "--no-cache-dir", "-v", self.plan.source,
+                      log_name="deep_ep-build.log", env=self._build_env())
         if self.options.dry_run:
             return f"would build DeepEP with {self.plan.cxx} against NCCL at {self.plan.nccl_root}"
         installed, extension = self._installed_extension()
@@ -604,6 +731,174 @@ class Installer:
         self._check_extension(extension)
         self._save_state("deep_ep", {**fingerprint, "installed_version": installed["version"]})
         return f"built and installed deep_ep {installed['version']} in {time.monotonic() - started:.0f} s: {extension}"
+
+    def _build_env(self) -> dict[str, str]:
+        """The environment DeepEP builds with: the chosen compilers, CUDA, architecture and NCCL."""
+        env = dict(self.system.env)
+        env.update({"CXX": self.plan.cxx, "LDSHARED": f"{self.plan.cxx} -shared", "CUDA_HOME": self.plan.cuda_home,
+                    "TORCH_CUDA_ARCH_LIST": f"{self.plan.arch[:-1]}.{self.plan.arch[-1]}",
+                    "MAX_JOBS": str(self.options.jobs), "EP_NCCL_ROOT_DIR": self.plan.nccl_root})
+        if self.plan.cc:
+            env["CC"] = self.plan.cc
+        return env
+
+    def _current_deep_ep_wheel(self, fingerprint: dict[str, Any]) -> Optional[str]:
+        """The deep_ep wheel an earlier run built from this tree into ``wheel_dir``, when it is still there."""
+        built = self._state.get("deep_ep_wheel") or {}
+        wheel = built.get("wheel")
+        same_dir = wheel and os.path.dirname(wheel) == os.path.abspath(self.options.wheel_dir or "")
+        if same_dir and built.get("fingerprint") == fingerprint and os.path.isfile(wheel):
+            return wheel
+        return None
+
+    def _build_deep_ep_wheel(self, fingerprint: dict[str, Any]) -> str:
+        """``pip wheel`` of the DeepEP tree into ``wheel_dir`` (its earlier deep_ep wheels are replaced)."""
+        wheel_dir = os.path.abspath(self.options.wheel_dir or "")
+        if not self.options.dry_run:
+            os.makedirs(wheel_dir, exist_ok=True)
+            for old in glob.glob(os.path.join(wheel_dir, "deep_ep-*.whl")):
+                os.remove(old)
+        self._execute("deep_ep", [self.system.python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                                  "--no-cache-dir", "-v", "-w", wheel_dir, self.plan.source],
+                      env=self._build_env(), log_name="deep_ep-build.log")
+        if self.options.dry_run:
+            return os.path.join(wheel_dir, f"deep_ep-{self.plan.version}-*.whl")
+        built = glob.glob(os.path.join(wheel_dir, "deep_ep-*.whl"))
+        if len(built) != 1:
+            raise InstallError("deep_ep", f"pip wheel finished but {wheel_dir} holds {len(built)} deep_ep wheels "
+                               f"({', '.join(map(os.path.basename, built)) or 'none'}); see deep_ep-build.log")
+        self._save_state("deep_ep_wheel", {"fingerprint": fingerprint, "wheel": built[0]})
+        return built[0]
+
+    # ------------------------------------------------------------------ wheels
+    def _step_wheels(self) -> str:
+        """Build mode: the NCCL wheel (for a source-built NCCL) and the manifest, beside the deep_ep wheel."""
+        wheel_dir = os.path.abspath(self.options.wheel_dir or "")
+        deep_ep_wheel = self._current_deep_ep_wheel(self._deep_ep_fingerprint())
+        if self.options.dry_run:
+            return f"would write the NCCL wheel and {WHEEL_MANIFEST} to {wheel_dir}"
+        if deep_ep_wheel is None:
+            raise InstallError("wheels", f"no deep_ep wheel of this tree in {wheel_dir}: rerun the installer with "
+                               "--wheel-dir (it builds one)")
+        nccl: dict[str, Any] = {"kind": self.plan.nccl_kind, "version": list(self.plan.nccl_version)}
+        nccl_wheel = None
+        if self.plan.nccl_kind == "source":
+            prefix = os.path.dirname(os.path.dirname(self.plan.nccl_root))
+            relative = os.path.relpath(prefix, self.system.prefix)
+            if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+                raise InstallError("wheels", f"the NCCL was installed at {prefix}, outside this environment "
+                                   f"({self.system.prefix}); its wheel installs it relative to the environment it goes "
+                                   "into: drop --nccl-prefix so that it is built under the environment")
+            for old in glob.glob(os.path.join(wheel_dir, f"{NCCL_WHEEL_NAME}-*.whl")):
+                os.remove(old)
+            nccl_wheel = build_nccl_wheel(wheel_dir, self.plan.nccl_root, relative, self.plan.nccl_version,
+                                          self.plan.arch)
+            nccl.update(root=self.plan.nccl_root, prefix_relative=relative)
+        elif self.plan.nccl_kind == "registry":
+            nccl["package"] = self.plan.nccl_package
+        installed = self.system.distribution("deep_ep") or {}
+        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        manifest = {"arch": self.plan.arch, "line": self.plan.line.name, "deep_ep_version": self.plan.version,
+                    "deep_ep_installed_version": installed.get("version"),
+                    "deep_ep_wheel": os.path.basename(deep_ep_wheel),
+                    "nccl_wheel": os.path.basename(nccl_wheel) if nccl_wheel else None, "nccl": nccl,
+                    "python": probe.get("python"), "torch": probe.get("torch"), "cuda": probe.get("cuda"),
+                    "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(os.path.join(wheel_dir, WHEEL_MANIFEST), "w", encoding="utf-8") as out:
+            json.dump(manifest, out, indent=2, sort_keys=True)
+        wheels = [w for w in (nccl_wheel, deep_ep_wheel) if w]
+        sizes = ", ".join(f"{os.path.basename(w)} ({os.path.getsize(w) / 2**20:.1f} MiB)" for w in wheels)
+        return f"{sizes} and {WHEEL_MANIFEST} in {wheel_dir}: install elsewhere with --from-wheels {wheel_dir}"
+
+    def _step_check_wheels(self) -> str:
+        """Wheels mode: the manifest against this machine (GPU architecture, Python, torch, CUDA, NCCL, paths)."""
+        folder = os.path.abspath(self.options.from_wheels or "")
+        try:
+            with open(os.path.join(folder, WHEEL_MANIFEST), encoding="utf-8") as manifest_file:
+                manifest = json.load(manifest_file)
+        except (OSError, ValueError) as error:
+            raise InstallError("wheels", f"{folder} has no readable {WHEEL_MANIFEST} ({error}): point --from-wheels at "
+                               "the folder an installer run with --wheel-dir wrote") from error
+        self._manifest = manifest
+        missing = [name for name in (manifest.get("deep_ep_wheel"), manifest.get("nccl_wheel"))
+                   if name and not os.path.isfile(os.path.join(folder, name))]
+        if missing or not manifest.get("deep_ep_wheel"):
+            raise InstallError("wheels", f"{folder} lacks the wheel(s) its manifest names: {', '.join(missing) or 'deep_ep'}")
+        lines = {line.name: line for line in LINES}
+        if manifest.get("line") not in lines:
+            raise InstallError("wheels", f"the manifest names DeepEP line {manifest.get('line')!r}; this installer knows "
+                               f"{sorted(lines)}: upgrade megatron-deepepv2 or rebuild the wheels")
+        self.plan.line = lines[manifest["line"]]
+        self.plan.version = manifest.get("deep_ep_version", "unknown")
+        arch = self.options.arch or self.system.gpu_arch()
+        wanted = manifest.get("arch")
+        if arch != wanted:
+            raise InstallError("wheels", f"the wheels were built for sm_{wanted}; this machine's GPU is "
+                               f"{'sm_' + arch if arch else 'not visible'}: build on (or for) this GPU with --deepep-src")
+        self.plan.arch = arch
+        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        for key, what in (("python", "Python"), ("torch", "PyTorch"), ("cuda", "PyTorch's CUDA")):
+            if manifest.get(key) and probe.get(key) and manifest[key] != probe[key]:
+                raise InstallError("wheels", f"the wheels were built with {what} {manifest[key]}; this environment has "
+                                   f"{probe[key]} (deep_ep._C is built against PyTorch's C++ ABI and CUDA): install them "
+                                   "where the build ran's versions are, or build here with --deepep-src")
+        nccl = manifest.get("nccl") or {}
+        version = tuple(nccl.get("version") or ())
+        if nccl.get("kind") == "source":
+            root = os.path.join(self.system.prefix, nccl["prefix_relative"], "nvidia", "nccl")
+            if os.path.normpath(root) != os.path.normpath(nccl["root"]):
+                raise InstallError("wheels", f"deep_ep was built for the NCCL at {nccl['root']}; its wheel would go to "
+                                   f"{root} in this environment ({self.system.prefix}), and deep_ep looks for NCCL where "
+                                   "it was built: install into an environment at the same path as the build's, or "
+                                   "build here with --deepep-src")
+            self._set_nccl("source", root, version)
+            where = f"NCCL {version_text(version)} from {manifest['nccl_wheel']}"
+        else:
+            loaded = tuple(probe.get("nccl") or ())
+            if loaded != version:
+                hint = f"pip install '{nccl['package']}=={version_text(version)}'" if nccl.get("package") else                     f"a PyTorch that loads NCCL {version_text(version)}"
+                raise InstallError("wheels", f"deep_ep was built against NCCL {version_text(version)}, which PyTorch "
+                                   f"loaded there; here it loads {version_text(loaded)}: install {hint} first")
+            mapped = probe.get("mapped") or [""]
+            self._set_nccl(nccl.get("kind", "torch"), os.path.dirname(os.path.dirname(os.path.realpath(mapped[0]))),
+                           version)
+            where = f"PyTorch's NCCL {version_text(version)}"
+        return (f"DeepEP {self.plan.version} ({self.plan.line.name} line) for sm_{arch}, Python {manifest.get('python')}, "
+                f"torch {manifest.get('torch')}, CUDA {manifest.get('cuda')}, {where}: this machine matches")
+
+    def _step_install(self) -> str:
+        """Wheels mode: ``pip install`` of the wheels, then PyTorch must load the wheel's NCCL."""
+        folder = os.path.abspath(self.options.from_wheels or "")
+        manifest = self._manifest
+        installed, _ = self._installed_extension()
+        if installed and installed["version"] != manifest.get("deep_ep_installed_version") \
+                and not self.options.replace_deep_ep:
+            raise InstallError("install", f"a deep_ep {installed['version']} is already installed here (DeepEP v1, "
+                               "HybridEP and DeepEP v2 all install the module deep_ep): pass --replace-deep-ep to "
+                               "replace it, or use another environment")
+        wheels = [os.path.join(folder, manifest[key]) for key in ("nccl_wheel", "deep_ep_wheel") if manifest.get(key)]
+        started = time.monotonic()
+        self._pip("install", "--no-index", "--no-deps", "--force-reinstall", *wheels, log_name="wheels-install.log")
+        if self.options.dry_run:
+            return f"would install {', '.join(map(os.path.basename, wheels))}"
+        installed, extension = self._installed_extension()
+        if installed is None or extension is None:
+            raise InstallError("install", "pip finished but no deep_ep/_C*.so is installed; see wheels-install.log")
+        self._check_extension(extension)
+        if self.plan.nccl_kind == "source":
+            self._check_torch_loads(os.path.join(self.plan.nccl_root, "lib", f"libnccl.so.{self.plan.nccl_version[0]}"),
+                                    "install", f"the {NCCL_WHEEL_NAME} wheel's .pth")
+        return f"installed {', '.join(map(os.path.basename, wheels))} in {time.monotonic() - started:.0f} s"
+
+    def _check_torch_loads(self, library: str, step: str, cause: str) -> None:
+        """Raises unless a fresh interpreter's PyTorch maps exactly ``library`` as its NCCL."""
+        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        expected = os.path.realpath(library)
+        mapped = [os.path.realpath(p) for p in probe.get("mapped") or []]
+        if mapped != [expected]:
+            raise InstallError(step, f"with {cause} in place PyTorch maps {mapped or 'no libnccl'}, not only "
+                               f"{expected}. Something loads another NCCL first (LD_PRELOAD, LD_LIBRARY_PATH, an earlier "
+                               "sys.path entry with nvidia/nccl/lib): remove it and rerun")
 
     def _check_extension(self, extension: str) -> None:
         needed = self.system.needed_libraries(extension)
@@ -638,10 +933,17 @@ class Installer:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (one option per :class:`InstallOptions` field)."""
-    defaults = InstallOptions(deepep_src="")
+    defaults = InstallOptions()
     parser = argparse.ArgumentParser(prog="python -m megatron_deepepv2.install_deepep",
                                      description="Build and install DeepEP v2 for megatron-deepepv2, ending with the doctor.")
-    parser.add_argument("--deepep-src", required=True, help="DeepEP source tree (2.1 or V2.5), or a git URL to clone")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--deepep-src", help="DeepEP source tree (2.1 or V2.5), or a git URL to clone")
+    source.add_argument("--from-wheels", metavar="DIR",
+                        help="install the wheels a --wheel-dir build wrote to DIR instead of building (same GPU "
+                             "architecture, Python, PyTorch and CUDA)")
+    parser.add_argument("--wheel-dir", metavar="DIR",
+                        help="also write the build's deep_ep (and source-built NCCL) as wheels to DIR, with a manifest, "
+                             "for --from-wheels on other machines (DIR's earlier wheels of both are replaced)")
     nccl = parser.add_mutually_exclusive_group()
     nccl.add_argument("--nccl-src", help="NCCL source tree to build (for this GPU only) when no suitable NCCL is there")
     nccl.add_argument("--nccl-from-registry", action="store_true",

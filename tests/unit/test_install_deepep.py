@@ -8,9 +8,14 @@ probe also runs for real with this machine's g++ (and a wrapper that links libst
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
+import types
+import zipfile
 from typing import Any, Optional
 
 import pytest
@@ -50,10 +55,14 @@ class FakeMachine:
     """A GPU machine in miniature: records commands, answers probes from what the commands left behind."""
 
     def __init__(self, root: str, compilers: Optional[dict[str, bool]] = None, nvcc: tuple[int, int] = (13, 0),
-                 torch_nccl: tuple[int, int, int] = (2, 28, 9), build_fails: bool = False) -> None:
+                 torch_nccl: tuple[int, int, int] = (2, 28, 9), build_fails: bool = False,
+                 prefix: Optional[str] = None, arch: str = "90", torch_version: str = "2.11.0+cu130") -> None:
         self.root = root
-        self.site = os.path.join(root, "site-packages")
+        self.prefix = prefix or os.path.join(root, "venv")
+        self.site = os.path.join(self.prefix, "lib", "python3.12", "site-packages")
         os.makedirs(self.site)
+        self.arch = arch
+        self.torch_version = torch_version
         self.compilers = compilers if compilers is not None else {"/usr/bin/g++": True}
         self.nvcc = nvcc
         self.torch_nccl = torch_nccl
@@ -63,10 +72,14 @@ class FakeMachine:
         self.deep_ep: Optional[dict[str, Any]] = None
         self.extension_dynamic = True
         self.registry_nccl: Optional[tuple[int, int, int]] = None
+        self.wheel_builds = 0
+        self.installed_wheels: list[str] = []
+        self.compiled_with = ""
+        self.compiled_buffers: list[str] = []
 
     def system(self) -> System:
         return System(env={"PATH": "/usr/bin", "HOME": self.root}, python="/venv/bin/python", run=self.run,
-                      probe_python=self.probe_python, gpu_arch=lambda: "90",
+                      probe_python=self.probe_python, gpu_arch=lambda: self.arch, prefix=self.prefix,
                       find_nvcc=lambda env: "/usr/local/cuda/bin/nvcc", nvcc_version=lambda path: self.nvcc,
                       needed_libraries=self.needed_libraries, distribution=self.distribution,
                       has_distribution_like=lambda fragment: fragment == "nvidia-nvshmem",
@@ -95,10 +108,22 @@ class FakeMachine:
             os.makedirs(os.path.join(build, "lib"), exist_ok=True)
             os.makedirs(os.path.join(build, "include"), exist_ok=True)
             with open(os.path.join(build, "lib", "libnccl.so.{}.{}.{}".format(*version)), "wb") as f:
-                f.write(b"\x7fELF fake nccl")
+                f.write("\x7fELF fake nccl {}.{}.{}".format(*version).encode())
             open(os.path.join(build, "include", "nccl.h"), "w").close()
             os.makedirs(os.path.join(build, "include", "nccl_device", "impl"), exist_ok=True)
             open(os.path.join(build, "include", "nccl_device", "impl", "barrier__funcs.h"), "w").close()
+            return 0
+        if cmd[1:4] == ["-m", "pip", "wheel"]:
+            if self.build_fails:
+                return 1
+            self.wheel_builds += 1
+            self.compiled_with = env["CXX"]
+            self.compiled_buffers = self._buffers_of(cmd[-1])
+            self._write_deep_ep_wheel(cmd[cmd.index("-w") + 1], env["EP_NCCL_ROOT_DIR"])
+            return 0
+        if cmd[1:4] == ["-m", "pip", "install"] and all(a.endswith(".whl") for a in cmd[4:] if not a.startswith("-")):
+            for wheel in (a for a in cmd[4:] if a.endswith(".whl")):
+                self._install_wheel(wheel)
             return 0
         if cmd[1:4] == ["-m", "pip", "install"]:
             if "nvidia-nccl-cu13>=2.30.4" in cmd or "nvidia-nccl-cu13>=2.32.3" in cmd:
@@ -112,11 +137,44 @@ class FakeMachine:
             os.makedirs(os.path.dirname(extension), exist_ok=True)
             open(extension, "wb").close()
             self.extension_dynamic = self.compilers.get(env["CXX"], False)
-            self.deep_ep = {"version": "2.1.0+local", "files": [extension],
-                            "buffers": ["EPBuffer"] if os.path.isfile(os.path.join(cmd[-1], "deep_ep", "buffers", "ep.py"))
-                            else ["ElasticBuffer", "Buffer"]}
+            self.deep_ep = {"version": "2.1.0+local", "files": [extension], "buffers": self._buffers_of(cmd[-1])}
             return 0
         return 0
+
+    @staticmethod
+    def _buffers_of(tree: str) -> list[str]:
+        return ["EPBuffer"] if os.path.isfile(os.path.join(tree, "deep_ep", "buffers", "ep.py")) else ["ElasticBuffer", "Buffer"]
+
+    def _write_deep_ep_wheel(self, folder: str, nccl_root: str) -> None:
+        """What `pip wheel` of a DeepEP tree leaves: the package, its extension and the NCCL root it was built for."""
+        with zipfile.ZipFile(os.path.join(folder, "deep_ep-2.1.0+local-cp312-cp312-linux_x86_64.whl"), "w") as wheel:
+            wheel.writestr("deep_ep/_C.cpython-312-x86_64-linux-gnu.so", b"\x7fELF")
+            wheel.writestr("deep_ep/envs.py", f"persistent_envs = {{'EP_NCCL_ROOT_DIR': {nccl_root!r}}}\n")
+            wheel.writestr("deep_ep/buffers.json", json.dumps(self.compiled_buffers))
+            wheel.writestr("deep_ep/cxx.txt", self.compiled_with)
+            wheel.writestr("deep_ep-2.1.0+local.dist-info/METADATA", "Name: deep_ep\nVersion: 2.1.0+local\n")
+
+    def _install_wheel(self, wheel_path: str) -> None:
+        """pip's layout: ``*.data/data/`` under the prefix, ``*.dist-info`` kept aside, the rest in site-packages."""
+        self.installed_wheels.append(os.path.basename(wheel_path))
+        with zipfile.ZipFile(wheel_path) as wheel:
+            for name in wheel.namelist():
+                parts = name.split("/")
+                if parts[0].endswith(".dist-info"):
+                    continue
+                if parts[0].endswith(".data"):
+                    assert parts[1] == "data", name
+                    target = os.path.join(self.prefix, *parts[2:])
+                else:
+                    target = os.path.join(self.site, *parts)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as out:
+                    out.write(wheel.read(name))
+            if "deep_ep/buffers.json" in wheel.namelist():
+                self.extension_dynamic = self.compilers.get(wheel.read("deep_ep/cxx.txt").decode(), False)
+                self.deep_ep = {"version": "2.1.0+local",
+                                "files": [os.path.join(self.site, "deep_ep", "_C.cpython-312-x86_64-linux-gnu.so")],
+                                "buffers": json.loads(wheel.read("deep_ep/buffers.json"))}
 
     # -- probes
     def needed_libraries(self, path: str) -> list[str]:
@@ -137,21 +195,30 @@ class FakeMachine:
     def probe_python(self, python: str, import_deep_ep: bool, env: dict[str, str]) -> dict[str, Any]:
         pth = os.path.join(self.site, PTH_NAME)
         if os.path.isfile(pth):
-            prefix = open(pth).read().split("sys.path.insert(0, '")[1].split("'")[0]
-            lib = os.path.join(prefix, "nvidia", "nccl", "lib")
-            full = next(n for n in os.listdir(lib) if n.count(".") == 4)
-            out = {"nccl": [int(x) for x in full.split(".so.")[1].split(".")], "mapped": [os.path.join(lib, "libnccl.so.2")]}
+            (line,) = [line for line in open(pth) if line.startswith("import ")]
+            path = self._pth_path(line)  # the .pth line itself decides
+            lib = os.path.join(path[0], "nvidia", "nccl", "lib")
+            library = os.path.join(lib, "libnccl.so.2")
+            version = open(library, "rb").read().decode().rsplit(" ", 1)[1]
+            out = {"nccl": [int(x) for x in version.split(".")], "mapped": [library]}
         elif self.registry_nccl:
             out = {"nccl": list(self.registry_nccl), "mapped": [TORCH_NCCL]}
         else:
             out = {"nccl": list(self.torch_nccl), "mapped": [TORCH_NCCL]}
-        out["cuda"] = "13.0"
+        out.update(cuda="13.0", torch=self.torch_version, python="3.12")
         if import_deep_ep:
             if self.deep_ep is None:
                 out["error"] = "ModuleNotFoundError: No module named 'deep_ep'"
             else:
                 out.update(deep_ep="2.1.0", buffers=self.deep_ep.get("buffers", []))
         return out
+
+    def _pth_path(self, line: str) -> list[str]:
+        """``sys.path`` after the ``.pth`` line ran in an interpreter of this machine's environment."""
+        fake_sys = types.SimpleNamespace(prefix=self.prefix, path=["/elsewhere"])
+        code = line.replace("import os, sys;", "import os;").replace("import sys;", "").strip()
+        exec(code, {"__builtins__": __builtins__, "sys": fake_sys})  # noqa: S102 -- the file under test
+        return fake_sys.path
 
     def ran(self, program: str) -> list[list[str]]:
         return [c for c in self.commands if c[0] == program or (program == "pip" and c[1:3] == ["-m", "pip"])]
@@ -388,3 +455,146 @@ def test_compiler_probe_on_this_machine_tells_static_from_dynamic(tmp_path) -> N
 
 def test_nccl_source_version_reads_the_makefile(tmp_path) -> None:
     assert install_deepep.nccl_source_version(make_nccl_tree(str(tmp_path), (2, 32, 3))) == (2, 32, 3)
+
+
+# ---------------------------------------------------------------------------------------------- wheels
+
+
+def build_with_wheels(tmp_path, wheel_dir: str) -> tuple[FakeMachine, InstallOptions]:
+    """A source build on one fake machine with --wheel-dir, its NCCL under the environment (the default prefix)."""
+    machine = FakeMachine(str(tmp_path / "build"), prefix=str(tmp_path / "env"))
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)), nccl_prefix=None, wheel_dir=wheel_dir,
+                   work_dir=str(tmp_path / "build-work"))
+    assert Installer(opts, machine.system()).run() == 0
+    return machine, opts
+
+
+def another_machine(tmp_path, name: str, **changes) -> FakeMachine:
+    """A second machine whose environment sits at the same path as the build's (the same image)."""
+    shutil.rmtree(tmp_path / "env", ignore_errors=True)  # nothing of the build machine is there
+    return FakeMachine(str(tmp_path / name), prefix=str(tmp_path / "env"), **changes)
+
+
+def test_wheel_dir_builds_deepep_once_and_packs_the_nccl_it_built(tmp_path) -> None:
+    wheels = tmp_path / "wheels"
+    machine, opts = build_with_wheels(tmp_path, str(wheels))
+    assert machine.wheel_builds == 1
+    assert not [c for c in machine.ran("pip") if c[-1] == opts.deepep_src and c[3] == "install"], \
+        "DeepEP is built once, as a wheel, and installed from it"
+    manifest = json.loads((wheels / install_deepep.WHEEL_MANIFEST).read_text())
+    assert manifest["arch"] == "90" and manifest["line"] == "2.1" and manifest["torch"] == "2.11.0+cu130"
+    relative = os.path.join("share", "megatron-deepepv2", "nccl-2.30.7-sm90")
+    root = str(tmp_path / "env" / relative / "nvidia" / "nccl")
+    assert manifest["nccl"] == {"kind": "source", "version": [2, 30, 7], "root": root, "prefix_relative": relative}
+    assert machine.installed_wheels == [manifest["deep_ep_wheel"]]
+    with zipfile.ZipFile(wheels / manifest["nccl_wheel"]) as nccl:
+        names = nccl.namelist()
+        data = "megatron_deepepv2_nccl-2.30.7+sm90.data/data/share/megatron-deepepv2/nccl-2.30.7-sm90/nvidia/nccl"
+        assert nccl.read(f"{data}/lib/libnccl.so.2") == open(os.path.join(root, "lib", "libnccl.so.2.30.7"), "rb").read()
+        assert f"{data}/include/nccl_device/impl/barrier__funcs.h" in names and PTH_NAME in names
+        record = nccl.read("megatron_deepepv2_nccl-2.30.7+sm90.dist-info/RECORD").decode().splitlines()
+        assert len(record) == len(names) and all(line.split(",")[0] in names for line in record)
+
+    # a rerun builds nothing; a lost wheel is rebuilt alone (the installed deep_ep is this tree's)
+    before = len(machine.commands)
+    assert Installer(opts, machine.system()).run() == 0
+    assert machine.wheel_builds == 1 and not [c for c in machine.commands[before:] if c[0] == "make"]
+    os.remove(wheels / manifest["deep_ep_wheel"])
+    assert Installer(opts, machine.system()).run() == 0
+    assert machine.wheel_builds == 2 and machine.installed_wheels == [manifest["deep_ep_wheel"]]
+
+
+def test_from_wheels_installs_on_a_bare_machine_without_building(tmp_path) -> None:
+    wheels = str(tmp_path / "wheels")
+    build_with_wheels(tmp_path, wheels)
+    target = another_machine(tmp_path, "target")
+    assert main(["--from-wheels", wheels, "--work-dir", str(tmp_path / "target-work")], target.system()) == 0
+    assert not target.ran("make") and target.wheel_builds == 0
+    assert [c[0] for c in target.commands if c[0] in target.compilers] == []
+    (install,) = [c for c in target.ran("pip")]
+    assert install[4:7] == ["--no-index", "--no-deps", "--force-reinstall"]
+    assert [os.path.basename(w) for w in install[7:]] == target.installed_wheels
+    assert target.installed_wheels[0].startswith("megatron_deepepv2_nccl-2.30.7+sm90-py3-none-linux_")
+    # PyTorch there loads the wheel's NCCL, through the wheel's .pth, and deep_ep imports
+    probe = target.probe_python("/venv/bin/python", True, {})
+    assert probe["mapped"] == [str(tmp_path / "env" / "share" / "megatron-deepepv2" / "nccl-2.30.7-sm90" / "nvidia"
+                                   / "nccl" / "lib" / "libnccl.so.2")]
+    assert probe["nccl"] == [2, 30, 7] and probe["buffers"] == ["ElasticBuffer", "Buffer"]
+    assert target.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.doctor"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"arch": "100"}, r"the wheels were built for sm_90; this machine's GPU is sm_100"),
+    ({"torch_version": "2.12.0+cu130"}, r"the wheels were built with PyTorch 2.11.0\+cu130; this environment has 2.12.0\+cu130"),
+    ({"prefix": "elsewhere"}, r"deep_ep was built for the NCCL at .*/env/share/.*; its wheel would go to .*/elsewhere/share"),
+])
+def test_from_wheels_refuses_a_machine_the_wheels_do_not_fit(tmp_path, change, message) -> None:
+    wheels = str(tmp_path / "wheels")
+    build_with_wheels(tmp_path, wheels)
+    if change.get("prefix") == "elsewhere":
+        change = {"prefix": str(tmp_path / "elsewhere")}
+        shutil.rmtree(tmp_path / "env")
+        target = FakeMachine(str(tmp_path / "target"), **change)
+    else:
+        target = another_machine(tmp_path, "target", **change)
+    with pytest.raises(InstallError, match=r"step 'wheels' failed: " + message):
+        Installer(InstallOptions(from_wheels=wheels, work_dir=str(tmp_path / "w")), target.system()).run()
+    assert not target.ran("pip"), "nothing is installed on a machine the wheels do not fit"
+
+
+def test_from_wheels_needs_the_manifest_and_its_wheels(tmp_path) -> None:
+    target = FakeMachine(str(tmp_path / "target"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InstallError, match=r"has no readable megatron-deepepv2-wheels.json .*--wheel-dir"):
+        Installer(InstallOptions(from_wheels=str(empty), work_dir=str(tmp_path / "w")), target.system()).run()
+    wheels = str(tmp_path / "wheels")
+    build_with_wheels(tmp_path, wheels)
+    manifest = json.loads(open(os.path.join(wheels, install_deepep.WHEEL_MANIFEST)).read())
+    os.remove(os.path.join(wheels, manifest["nccl_wheel"]))
+    with pytest.raises(InstallError, match=r"lacks the wheel\(s\) its manifest names: megatron_deepepv2_nccl-"):
+        Installer(InstallOptions(from_wheels=wheels, work_dir=str(tmp_path / "w")), another_machine(tmp_path, "t2").system()).run()
+
+
+def test_options_take_a_source_or_wheels(tmp_path, capsys) -> None:
+    with pytest.raises(InstallError, match=r"either --deepep-src .* or --from-wheels"):
+        Installer(InstallOptions(work_dir=str(tmp_path)), FakeMachine(str(tmp_path / "m")).system())
+    with pytest.raises(InstallError, match=r"--wheel-dir writes .*--from-wheels installs"):
+        Installer(InstallOptions(from_wheels="w", wheel_dir="w"), FakeMachine(str(tmp_path / "n")).system())
+    with pytest.raises(SystemExit):
+        main(["--deepep-src", "x", "--from-wheels", "y"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_wheel_of_an_nccl_outside_the_environment_is_refused(tmp_path) -> None:
+    machine = FakeMachine(str(tmp_path))
+    opts = options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path)), wheel_dir=str(tmp_path / "wheels"))
+    with pytest.raises(InstallError, match=r"step 'wheels' failed: the NCCL was installed at .*/prefix, outside this "
+                                           r"environment .*drop --nccl-prefix"):
+        Installer(opts, machine.system()).run()
+
+
+def test_the_nccl_wheel_installs_with_pip_and_its_pth_puts_the_library_first(tmp_path) -> None:
+    """The wheel format itself, through this machine's real pip: files where the manifest says, the .pth working."""
+    root = tmp_path / "built" / "nvidia" / "nccl"
+    (root / "lib").mkdir(parents=True)
+    (root / "include" / "nccl_device").mkdir(parents=True)
+    (root / "lib" / "libnccl.so.2.30.7").write_bytes(b"\x7fELF nccl")
+    os.symlink("libnccl.so.2.30.7", root / "lib" / "libnccl.so.2")
+    (root / "include" / "nccl.h").write_text("// nccl\n")
+    (root / "include" / "nccl_device" / "core.h").write_text("// device\n")
+    relative = os.path.join("share", "megatron-deepepv2", "nccl-2.30.7-sm90")
+    wheel = install_deepep.build_nccl_wheel(str(tmp_path), str(root), relative, (2, 30, 7), "90")
+    target = tmp_path / "target"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+                           "--disable-pip-version-check", "--prefix", str(target), wheel],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    installed = target / relative / "nvidia" / "nccl"
+    assert (installed / "lib" / "libnccl.so.2").read_bytes() == b"\x7fELF nccl"
+    assert (installed / "include" / "nccl_device" / "core.h").read_text() == "// device\n"
+    (pth,) = target.glob(f"lib/python*/site-packages/{PTH_NAME}")
+    fake_sys = types.SimpleNamespace(prefix=str(target), path=["/site-packages"])
+    line = pth.read_text().replace("import os, sys;", "import os;")
+    exec(line, {"sys": fake_sys})  # noqa: S102 -- the installed file under test
+    assert fake_sys.path == [str(target / relative), "/site-packages"]
