@@ -77,11 +77,12 @@ class DeepepV2Settings:
             ``plugin`` (this package's: expand layout, no host sync, CUDA graphs, determinism, DeepEP lines) or
             ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing). Read by
             ``install()``.
-        experts: The experts module of deepepv2 layers: ``spec`` (what the layer spec says) or ``sync_free``
-            (Megatron's ``SequentialMLP``, which the local spec builds, becomes
-            :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters and checkpoints, two
-            grouped GEMMs, and it takes device-side counts, as no host sync needs). Lets an unchanged training script
-            such as ``pretrain_gpt.py`` run without host sync.
+        experts: The experts module of every MoE layer, whatever its dispatcher (alltoall, allgather, flex):
+            ``spec`` (what the layer spec says) or ``sync_free`` (Megatron's ``SequentialMLP``, which the local spec
+            builds, becomes :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters and
+            checkpoints, two grouped GEMMs, and it takes device-side counts, as no host sync needs). Lets an
+            unchanged training script such as ``pretrain_gpt.py`` run without host sync, and compare dispatchers with
+            the same experts.
     """
 
     backend: str = "auto"

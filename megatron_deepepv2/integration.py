@@ -19,8 +19,10 @@ place                                   change
 ``build_transformer_layer_callables``   deepepv2 detaches probs across schedule nodes like deepep
 ``skip_routed_expert_padding``          experts skip their own padding when deepepv2 already padded
                                         (megatron-core >= 0.18; 0.17 has no such hook)
-``MoELayer.__init__``                   with no host sync, a deepepv2 layer checks that its experts
-                                        take device-side token counts (:mod:`~megatron_deepepv2.experts`)
+``MoELayer.__init__``                   ``MEGATRON_DEEPEPV2_EXPERTS=sync_free`` gives every MoE layer
+                                        (any dispatcher) ``SyncFreeSequentialMLP`` experts; with no host
+                                        sync, a deepepv2 layer checks that its experts take device-side
+                                        token counts (:mod:`~megatron_deepepv2.experts`)
 ======================================  ===========================================================
 
 ``install()`` is idempotent. Before 0.17 it raises; a release newer than the tested ones (0.17 - 0.19.x) gets a
@@ -282,7 +284,7 @@ def _patch_moe_layer_expert_check() -> None:
 
         config = kwargs["config"] if "config" in kwargs else args[0]
         deepepv2 = is_deepepv2(config)
-        if deepepv2 and get_settings().experts == "sync_free":
+        if get_settings().experts == "sync_free":  # every dispatcher: comparisons hold the experts equal
             if kwargs.get("submodules") is not None:
                 kwargs["submodules"] = sync_free_submodules(kwargs["submodules"])
             elif len(args) > 1 and args[1] is not None:
@@ -436,7 +438,7 @@ def install() -> InstallReport:
         _install_dispatcher()
         report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
         _patch_moe_layer_expert_check()
-        report.patches.append("MoELayer.__init__ checks no-host-sync expert support")
+        report.patches.append("MoELayer.__init__ builds the experts setting's module and checks no-host-sync support")
         for modules, name, make_wrapper, description in _FUNCTION_PATCHES:
             if _replace_function(modules, name, make_wrapper):
                 report.patches.append(description)

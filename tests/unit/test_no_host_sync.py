@@ -268,21 +268,31 @@ def _experts_setting(rank: int, world: int) -> list[str]:
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3)
-    reference = build_moe_layer(shape, "alltoall")
+    reference = {name: build_moe_layer(shape, name) for name in ("alltoall", "allgather")}
     with dv2.settings_override(no_host_sync=True, experts="sync_free", num_max_tokens_per_rank=16, validate=False):
-        untouched = build_moe_layer(shape, "alltoall")
-        layer = build_moe_layer(shape, "deepepv2")  # the local spec: SequentialMLP
-    assert type(reference.experts) is SequentialMLP and type(untouched.experts) is SequentialMLP
-    assert type(layer.experts) is SyncFreeSequentialMLP, type(layer.experts)
-    layer.load_state_dict(reference.state_dict())  # SequentialMLP's checkpoint keys
+        layers = {name: build_moe_layer(shape, name) for name in ("alltoall", "allgather", "deepepv2")}
+    assert all(type(layer.experts) is SequentialMLP for layer in reference.values())
     x = torch.randn(12, 1, shape.hidden, generator=torch.Generator().manual_seed(rank))
-    torch.testing.assert_close(layer(x)[0], reference(x)[0], rtol=1e-5, atol=1e-6)
-    return [type(layer.experts).__name__]
+    built = []
+    for name, layer in layers.items():
+        assert type(layer.experts) is SyncFreeSequentialMLP, (name, type(layer.experts))
+        baseline = reference.get(name, reference["alltoall"])
+        layer.load_state_dict(baseline.state_dict())  # SequentialMLP's checkpoint keys
+        expected = baseline(x)[0]
+        if name == "deepepv2":  # another dispatcher: the same sums in another order
+            torch.testing.assert_close(layer(x)[0], expected, rtol=1e-5, atol=1e-6)
+        else:  # the same dispatcher with the other experts module: the same numbers
+            assert torch.equal(layer(x)[0], expected), name
+        built.append(f"{name}:{type(layer.experts).__name__}")
+    return built
 
 
 def test_experts_setting_builds_sync_free_experts_from_the_local_spec() -> None:
-    """MEGATRON_DEEPEPV2_EXPERTS=sync_free: an unchanged local spec runs without host sync, deepepv2 layers only."""
-    assert run_distributed(_experts_setting, 2) == [["SyncFreeSequentialMLP"]] * 2
+    """MEGATRON_DEEPEPV2_EXPERTS=sync_free: every layer of an unchanged local spec, whatever its dispatcher, gets
+    SyncFreeSequentialMLP (so dispatchers compare with the same experts); behind alltoall and allgather it computes
+    what SequentialMLP computes, bit for bit."""
+    expected = [f"{name}:SyncFreeSequentialMLP" for name in ("alltoall", "allgather", "deepepv2")]
+    assert run_distributed(_experts_setting, 2) == [expected] * 2
 
 
 def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -> None:
