@@ -24,13 +24,16 @@ an earlier run already did it with the same inputs (state in ``--work-dir``):
    the line's buffer class present.
 8. ``doctor``: the doctor's report; its exit status is the installer's.
 
+A build depends on the tree's contents, the GPU architecture, the compiler and the NCCL (not on where the tree lies).
+
 **Build once, install on every node.** With ``--wheel-dir DIR`` the build also leaves its results in ``DIR`` as
 wheels: ``deep_ep`` is built as a wheel and installed from it (one build), a source-built NCCL is packed as the wheel
 ``megatron_deepepv2_nccl`` (library, headers and the ``.pth``), and ``megatron-deepepv2-wheels.json`` records what
 they were built for (GPU architecture, Python, CUDA, NCCL, paths). ``--from-wheels DIR`` then installs them on
 another machine with the same GPU architecture, CUDA and Python, without building anything: steps ``wheels`` (checks
 the manifest against this machine), ``install`` (``pip install --no-index --no-deps`` of the wheels; PyTorch must
-then load the wheel's NCCL), ``verify`` and ``doctor``.
+then load the wheel's NCCL), ``verify`` and ``doctor``. A later ``--deepep-src`` run with the same tree there finds
+nothing to build.
 
 Every action on the machine goes through :class:`System`, so tests inject the build steps.
 """
@@ -244,13 +247,17 @@ def nccl_source_version(path: str) -> Version:
 
 
 def _tree_fingerprint(path: str) -> str:
-    """Changes when any source file of a tree changes (paths, sizes, modification times; build outputs excluded)."""
+    """Changes when any source file of a tree changes (relative paths and contents; build outputs excluded), and only
+    then: the same tree copied elsewhere or to another machine has the same fingerprint."""
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d not in {"build", "dist", ".git", "__pycache__"} and not d.endswith(".egg-info"))
         for name in sorted(files):
-            stat = os.stat(os.path.join(root, name))
-            digest.update(f"{os.path.relpath(os.path.join(root, name), path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+            file_path = os.path.join(root, name)
+            digest.update(os.path.relpath(file_path, path).encode() + b"\0")
+            if not os.path.islink(file_path):
+                with open(file_path, "rb") as f:
+                    digest.update(hashlib.sha256(f.read()).digest())
     return digest.hexdigest()[:16]
 
 
@@ -689,8 +696,9 @@ class Installer:
         return None
 
     def _deep_ep_fingerprint(self) -> dict[str, Any]:
+        """What a deep_ep build depends on: the tree's contents, the architecture, the compiler and the NCCL."""
         return {"tree": _tree_fingerprint(self.plan.source) if os.path.isdir(self.plan.source) else "",
-                "source": self.plan.source, "version": self.plan.version, "arch": self.plan.arch, "cxx": self.plan.cxx,
+                "version": self.plan.version, "arch": self.plan.arch, "cxx": self.plan.cxx,
                 "nccl_root": self.plan.nccl_root, "nccl_version": list(self.plan.nccl_version)}
 
     def _installed_extension(self) -> tuple[Optional[dict[str, Any]], Optional[str]]:
@@ -800,6 +808,7 @@ class Installer:
         probe = self.system.probe_python(self.system.python, False, self.system.env)
         manifest = {"arch": self.plan.arch, "line": self.plan.line.name, "deep_ep_version": self.plan.version,
                     "deep_ep_installed_version": installed.get("version"),
+                    "deep_ep_fingerprint": self._deep_ep_fingerprint(),
                     "deep_ep_wheel": os.path.basename(deep_ep_wheel),
                     "nccl_wheel": os.path.basename(nccl_wheel) if nccl_wheel else None, "nccl": nccl,
                     "python": probe.get("python"), "torch": probe.get("torch"), "cuda": probe.get("cuda"),
@@ -888,6 +897,8 @@ class Installer:
         if self.plan.nccl_kind == "source":
             self._check_torch_loads(os.path.join(self.plan.nccl_root, "lib", f"libnccl.so.{self.plan.nccl_version[0]}"),
                                     "install", f"the {NCCL_WHEEL_NAME} wheel's .pth")
+        if manifest.get("deep_ep_fingerprint"):  # a later build from the same tree here has nothing to do
+            self._save_state("deep_ep", {**manifest["deep_ep_fingerprint"], "installed_version": installed["version"]})
         return f"installed {', '.join(map(os.path.basename, wheels))} in {time.monotonic() - started:.0f} s"
 
     def _check_torch_loads(self, library: str, step: str, cause: str) -> None:

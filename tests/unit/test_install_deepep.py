@@ -598,3 +598,23 @@ def test_the_nccl_wheel_installs_with_pip_and_its_pth_puts_the_library_first(tmp
     line = pth.read_text().replace("import os, sys;", "import os;")
     exec(line, {"sys": fake_sys})  # noqa: S102 -- the installed file under test
     assert fake_sys.path == [str(target / relative), "/site-packages"]
+
+
+def test_a_source_install_after_the_wheels_finds_nothing_to_build(tmp_path) -> None:
+    """Wheels installed on a bare machine; then the README's command builds from the same tree (another copy of it):
+    PyTorch already loads the wheel's NCCL, and deep_ep is that tree's build, so nothing is built."""
+    wheels = str(tmp_path / "wheels")
+    _, opts = build_with_wheels(tmp_path, wheels)
+    target = another_machine(tmp_path, "target")
+    work = str(tmp_path / "target-work")
+    assert Installer(InstallOptions(from_wheels=wheels, work_dir=work), target.system()).run() == 0
+    copy = shutil.copytree(opts.deepep_src, tmp_path / "copy" / "DeepEP")
+    before = len(target.commands)
+    assert Installer(InstallOptions(deepep_src=str(copy), nccl_src=opts.nccl_src, work_dir=work),
+                     target.system()).run() == 0
+    rerun = target.commands[before:]
+    assert not [c for c in rerun if c[0] == "make" or c[1:3] == ["-m", "pip"]], rerun
+    with open(os.path.join(copy, "deep_ep", "buffers", "elastic.py"), "w") as f:  # another tree: built
+        f.write("# patched\n")
+    Installer(InstallOptions(deepep_src=str(copy), nccl_src=opts.nccl_src, work_dir=work), target.system()).run()
+    assert [c for c in target.commands if c[-1] == str(copy)]
