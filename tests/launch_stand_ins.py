@@ -31,6 +31,9 @@ PRETRAIN_ARGUMENTS = textwrap.dedent(
     print("ARGV", sys.argv[1:3])
     print("CONFIG", config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend, config.num_moe_experts,
           config.gated_linear_unit, config.bias_activation_fusion, config.deterministic_mode, config.cuda_graph_impl)
+    print("ROUTER", config.num_layers, config.moe_layer_freq, config.moe_router_score_function,
+          config.moe_router_enable_expert_bias, config.moe_router_load_balancing_type, config.moe_router_num_groups,
+          config.moe_router_group_topk, config.moe_router_topk_scaling_factor, config.moe_shared_expert_intermediate_size)
     """
 )
 

@@ -69,3 +69,23 @@ def test_example_launch_parses_and_validates(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "ARGV ['--mock-data', '--tokenizer-type']" in done.stdout, done.stdout[-2000:]
     assert "CONFIG flex deepepv2 64 True False True local" in done.stdout, done.stdout[-2000:]
+    assert "ROUTER 8 1 softmax False aux_loss None None None None" in done.stdout, done.stdout[-2000:]
+
+
+def test_example_deepseek_v3_router_model_parses_and_validates(tmp_path: Path) -> None:
+    """MODEL=deepseek-v3-router: DeepSeek-V3's router features (a dense first layer, sigmoid scores with an expert
+    bias, the sequence aux loss, group-limited top-k with a scaling factor, a shared expert) pass Megatron's parsing
+    and validation with the plugin, behind the alltoall dispatcher too."""
+    tree, env = stand_in_launch(tmp_path, {**os.environ, "MODEL": "deepseek-v3-router"})
+    root = Path(__file__).resolve().parents[2]
+    for extra, dispatcher in (([], "flex deepepv2"),
+                              (["--moe-token-dispatcher-type", "alltoall", "--moe-flex-dispatcher-backend", "deepep"],
+                               "alltoall deepep")):
+        done = subprocess.run(["bash", str(root / "examples" / "pretrain_gpt_moe_deepepv2.sh"), str(tree), "1", *extra],
+                              capture_output=True, text=True, timeout=240, env=env, cwd=root)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert f"CONFIG {dispatcher} 64 True False False none" in done.stdout, done.stdout[-2000:]
+        assert "ROUTER 6 [0, 1, 1, 1, 1, 1] sigmoid True seq_aux_loss 8 4 2.5 512" in done.stdout, done.stdout[-2000:]
+    done = subprocess.run(["bash", str(root / "examples" / "pretrain_gpt_moe_deepepv2.sh"), str(tree), "1"],
+                          capture_output=True, text=True, timeout=60, env={**env, "MODEL": "mixtral"}, cwd=root)
+    assert done.returncode == 2 and "MODEL=mixtral: use gpt-moe or deepseek-v3-router" in done.stderr
