@@ -17,6 +17,8 @@ Every benchmark here times, starts and writes the same way, so that their number
 * :func:`process_group`: torchrun's ranks, or a 1-rank group of this process, with the NCCL communicator created
   before anything reuses it and NVLink multicast left off;
 * :func:`setup_logging`: progress lines on stderr;
+* :func:`provenance`: the git commit the numbers come from (and whether the tree had uncommitted changes) and the
+  date, for the JSON document;
 * :func:`write_outputs`, with :func:`new_figure`, :func:`grouped_bars` and :func:`save_figure`: the JSON document
   and its PNG plot (matplotlib, Agg backend; without matplotlib the JSON is written and a warning says how to get
   the plot).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import importlib.util
 import inspect
@@ -37,6 +40,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -435,6 +439,51 @@ def setup_logging(rank: int = 0, *, all_ranks: bool = False) -> None:
     prefix = f"rank {rank} " if all_ranks else ""
     logging.basicConfig(level=logging.INFO if rank == 0 or all_ranks else logging.WARNING,
                         format=f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S")
+
+
+# ------------------------------------------------------------------------------------------------ provenance
+
+
+#: Where a benchmark runs on a copy of the tree without ``.git``: the commit it was copied from, as ``<hash>`` or
+#: ``<hash>-dirty`` (uncommitted changes to tracked files), read by :func:`provenance`.
+REVISION_ENV = "BENCH_GIT_REVISION"
+
+
+def _git(root: str, *args: str) -> Optional[str]:
+    """``git <args>``'s output in ``root``, or None where git or the checkout is missing or it fails."""
+    try:
+        # No optional locks: a benchmark must not hold the index lock of a tree others work in.
+        done = subprocess.run(["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance(path: Optional[str] = None) -> dict[str, Any]:
+    """What a benchmark's numbers come from: the git commit of the checkout, whether it had uncommitted changes, the
+    date.
+
+    Args:
+        path: A file or folder in the checkout (default: this file's).
+
+    Returns:
+        ``git_commit`` (short hash), ``git_dirty`` (uncommitted changes to tracked files; untracked files do not
+        count) and ``date`` (UTC, ISO 8601). Without a git checkout (a copy of the tree) the commit and its state are
+        read from :data:`REVISION_ENV` (``<hash>`` or ``<hash>-dirty``); where that is unset too, both are None.
+    """
+    root = path if path and os.path.isdir(path) else os.path.dirname(os.path.abspath(path or __file__))
+    commit = _git(root, "rev-parse", "--short", "HEAD")
+    dirty: Optional[bool] = None
+    if commit:
+        status = _git(root, "status", "--porcelain", "--untracked-files=no")
+        dirty = None if status is None else bool(status)
+    else:
+        value = os.environ.get(REVISION_ENV, "").strip()
+        commit = value.removesuffix("-dirty") or None
+        dirty = value.endswith("-dirty") if commit else None
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"git_commit": commit, "git_dirty": dirty, "date": date}
 
 
 # --------------------------------------------------------------------------------------------------- outputs

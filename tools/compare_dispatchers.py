@@ -1,36 +1,52 @@
 #!/usr/bin/env python3
 """Every MoE dispatcher side by side, on Megatron MoE layers shaped like popular models' (one run, one machine).
 
-Per model shape and tokens per rank, each dispatcher variant builds the same megatron-core ``MoELayer`` (same
-seed, so the same weights and routing) and reports:
+Per model shape and tokens per rank, each variant builds the same megatron-core ``MoELayer`` (same weights and
+routing: the first layer of a model is initialised, the others load its weights) and reports:
 
 * ``path_us``: the dispatcher path alone (router, dispatch stages, identity experts, combine stages), forward +
-  backward, median, slowest rank;
-* ``layer_us``: the whole layer forward + backward (``SequentialMLP`` experts; ``SyncFreeSequentialMLP`` for the
-  deepepv2 rows that say so; the graph row is a CUDA-graph replay of it);
+  backward, median, slowest rank: the dispatchers compared without experts;
+* ``layer_us``: the whole layer forward + backward, with the experts the row names (``expert_module``): Megatron's
+  ``SequentialMLP`` (the local spec's) or ``SyncFreeSequentialMLP`` (``megatron_deepepv2.experts``: two grouped
+  GEMMs; what deepepv2 without host sync needs);
 * ``peak_mib``: peak GPU memory of the layer steps above the layer's weights and buffers (CUDA only);
-* ``max_rel_diff``: the layer output against Megatron's ``alltoall`` on the same input, relative to its largest
-  magnitude (``matches`` when within the tolerance of the dtype), so that a fast row is also a right one.
+* ``max_rel_diff``: the layer output against Megatron's ``alltoall`` (``SequentialMLP``) on the same input, relative
+  to its largest magnitude (``matches`` when within the tolerance of the dtype), so that a fast row is also a right
+  one;
+* ratios, baseline time / row time (> 1: faster than the baseline): ``layer_speedup`` against ``layer_baseline``,
+  the Megatron ``alltoall`` row with the SAME experts (``alltoall`` for ``SequentialMLP`` rows, ``alltoall-syncfree``
+  for ``SyncFreeSequentialMLP`` rows), so that a layer ratio measures the dispatcher and not the experts;
+  ``path_speedup`` against ``path_baseline``, ``alltoall``'s path.
 
-Variants: Megatron's ``alltoall`` and ``allgather``; ``flex`` with ``deepep`` (DeepEP's v1 ``Buffer``) and
-``hybridep`` where megatron-core finds them (otherwise the row says why not); ``flex`` + ``deepepv2`` (the expand
-layout, the one Megatron layers take) with host sync, without host sync, and as a CUDA-graph replay. On GPUs deepepv2 runs on
-ElasticBuffer (DeepEP v2); with ``--cpu`` (2 gloo processes, a smoke run of the tool itself) on the reference
-backend, in FP32, without the graph row.
+Variants (:data:`VARIANTS`): Megatron's ``alltoall`` with either experts and ``allgather``; ``flex`` with ``deepep``
+(DeepEP's v1 ``Buffer``) and ``hybridep`` where megatron-core finds them (otherwise the row says why not); ``flex`` +
+``deepepv2`` (the expand layout, the one Megatron layers take) with host sync and either experts, without host sync,
+and without host sync with the whole layer (dispatcher + ``SyncFreeSequentialMLP``) captured in one CUDA graph and
+replayed, which only a dispatcher that never waits for the host allows (its comparison: ``alltoall-syncfree``, eager).
+On GPUs deepepv2 runs on ElasticBuffer (DeepEP v2) with ``--sms`` SMs (default: the package's default,
+``megatron_deepepv2.config.DEFAULT_NUM_SMS``, what a user gets); with ``--cpu`` (2 gloo processes, a smoke run of the
+tool itself) on the reference backend, in FP32, without the graph row.
 
-Prints progress, writes ``compare_dispatchers.json``, ``compare_dispatchers.png`` and ``compare_dispatchers.md``
-(the tables, with each deepepv2 row's ratio against the best non-deepepv2 dispatcher) to ``--out``::
+Prints progress, writes ``compare_dispatchers.json`` (the rows, with the run's SMs, git commit and date),
+``compare_dispatchers.md`` (the tables, each ratio with its baseline) and ``compare_dispatchers.png`` to ``--out``,
+after every variant (the plot after every model), so that a run cut short keeps what it measured::
 
-    EP_DISABLE_GIN=1 torchrun --nproc-per-node 2 tools/compare_dispatchers.py --out bench_out   # or 1 GPU: EP=1
+    EP_DISABLE_GIN=1 torchrun --nproc-per-node 1 tools/compare_dispatchers.py --models qwen3-30b-a3b deepseek-v3 \\
+        --tokens 4096 --out bench_out    # one GPU, EP=1; 2 or 8 GPUs: --nproc-per-node
     python tools/compare_dispatchers.py --cpu --models tiny --tokens 64 --out bench_out
+
+On a GPU the layers are initialised there (Megatron's RNG tracker), once per model: a DeepSeek-V3 layer (256 experts,
+7.5e9 parameters on one rank) initialised on the CPU took about 40 s per variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -42,6 +58,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools import _bench  # noqa: E402
 
 logger = logging.getLogger("compare_dispatchers")
+
+#: Seed of the first layer of each model (the others load its weights).
+SEED = 11
+SEQUENTIAL = "SequentialMLP"
+SYNC_FREE = "SyncFreeSequentialMLP"
 
 
 @dataclass(frozen=True)
@@ -70,29 +91,61 @@ class Variant:
         name: Row name.
         dispatcher: What :func:`~megatron_deepepv2.testing.moe_model.build_moe_layer` takes (``alltoall``,
             ``allgather`` or a flex backend name).
+        description: What the row is, for the markdown and the JSON.
         layout: deepepv2 receive layout, None for the other dispatchers.
-        no_host_sync: deepepv2 without host sync (with ``SyncFreeSequentialMLP`` experts).
-        graph: Time a CUDA-graph replay of the layer step (needs ``no_host_sync``).
+        no_host_sync: deepepv2 without host sync (needs ``sync_free_experts``).
+        sync_free_experts: ``SyncFreeSequentialMLP`` experts instead of Megatron's ``SequentialMLP``.
+        graph: Time a CUDA-graph replay of the whole layer step (needs ``no_host_sync``).
         needs: The ``megatron.core.transformer.moe.fused_a2a`` flag the dispatcher needs, if any.
     """
 
     name: str
     dispatcher: str
+    description: str
     layout: Optional[str] = None
     no_host_sync: bool = False
+    sync_free_experts: bool = False
     graph: bool = False
     needs: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        if self.no_host_sync and not self.sync_free_experts:
+            raise ValueError(f"{self.name}: no host sync needs experts that take device-side counts")
+        if self.graph and not self.no_host_sync:
+            raise ValueError(f"{self.name}: a CUDA graph of the layer needs a dispatcher without host sync")
+
+    @property
+    def expert_module(self) -> str:
+        """The experts' class name."""
+        return SYNC_FREE if self.sync_free_experts else SEQUENTIAL
+
 
 VARIANTS = [
-    Variant("alltoall", "alltoall"),
-    Variant("allgather", "allgather"),
-    Variant("flex-deepep-v1", "deepep", needs="HAVE_DEEP_EP"),
-    Variant("flex-hybridep", "hybridep", needs="HAVE_HYBRIDEP"),
-    Variant("deepepv2-expand", "deepepv2", "expand"),
-    Variant("deepepv2-expand-no-host-sync", "deepepv2", "expand", no_host_sync=True),
-    Variant("deepepv2-expand-graph", "deepepv2", "expand", no_host_sync=True, graph=True),
+    Variant("alltoall", "alltoall", "Megatron's alltoall dispatcher, SequentialMLP experts: the reference of every "
+            "row's output and the layer baseline of the SequentialMLP rows"),
+    Variant("alltoall-syncfree", "alltoall", "Megatron's alltoall dispatcher with SyncFreeSequentialMLP experts: the "
+            "layer baseline of the SyncFreeSequentialMLP rows", sync_free_experts=True),
+    Variant("allgather", "allgather", "Megatron's allgather dispatcher, SequentialMLP experts"),
+    Variant("flex-deepep-v1", "deepep", "Megatron's flex dispatcher on DeepEP v1 (Buffer), SequentialMLP experts",
+            needs="HAVE_DEEP_EP"),
+    Variant("flex-hybridep", "hybridep", "Megatron's flex dispatcher on HybridEP, SequentialMLP experts",
+            needs="HAVE_HYBRIDEP"),
+    Variant("deepepv2-expand", "deepepv2", "flex + deepepv2, expand layout, with host sync, SequentialMLP experts",
+            "expand"),
+    Variant("deepepv2-expand-syncfree", "deepepv2", "flex + deepepv2, expand layout, with host sync, "
+            "SyncFreeSequentialMLP experts", "expand", sync_free_experts=True),
+    Variant("deepepv2-expand-no-host-sync", "deepepv2", "flex + deepepv2, expand layout, without host sync, "
+            "SyncFreeSequentialMLP experts", "expand", no_host_sync=True, sync_free_experts=True),
+    Variant("deepepv2-no-host-sync-layer-graph", "deepepv2", "flex + deepepv2 without host sync, the whole layer "
+            "(dispatcher + SyncFreeSequentialMLP experts) forward + backward captured in one CUDA graph and replayed, "
+            "which only a dispatcher that never waits for the host allows; its comparison is alltoall-syncfree, "
+            "eager", "expand", no_host_sync=True, sync_free_experts=True, graph=True),
 ]
+
+#: The layer baseline of each kind of experts: Megatron's alltoall with the same experts.
+LAYER_BASELINES: dict[str, str] = {v.expert_module: v.name for v in VARIANTS if v.dispatcher == "alltoall"}
+#: The path baseline (identity experts: the dispatchers alone).
+PATH_BASELINE = "alltoall"
 
 
 def unavailable_reason(variant: Variant, cuda: bool) -> Optional[str]:
@@ -109,21 +162,49 @@ def unavailable_reason(variant: Variant, cuda: bool) -> Optional[str]:
     return None
 
 
-def _build_layer(variant: Variant, model: ModelShape, max_tokens: int, args: argparse.Namespace, cuda: bool):
+def selected_variants(names: Optional[list[str]]) -> list[Variant]:
+    """The variants ``--variants`` names (all for None), with the baselines their rows need: ``alltoall`` always
+    (the output reference), ``alltoall-syncfree`` when a selected row has sync-free experts."""
+    if names is None:
+        return list(VARIANTS)
+    chosen = set(names) | {PATH_BASELINE}
+    chosen |= {LAYER_BASELINES[v.expert_module] for v in VARIANTS if v.name in chosen}
+    return [v for v in VARIANTS if v.name in chosen]
+
+
+def _build_layer(variant: Variant, model: ModelShape, max_tokens: int, args: argparse.Namespace, cuda: bool,
+                 weights: dict):
+    """The layer of ``variant``: the first of a model (``weights`` empty) initialised, its weights then kept in
+    ``weights``; the others allocated without initialisation and loaded from ``weights`` (same parameters)."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer  # noqa: PLC0415
 
     if variant.dispatcher == "deepepv2":
         dv2.configure(backend="deepep" if cuda else "reference", layout=variant.layout,
-                      no_host_sync=variant.no_host_sync, num_max_tokens_per_rank=max_tokens,
-                      num_sms=args.sms if cuda else 0)
+                      no_host_sync=variant.no_host_sync, num_max_tokens_per_rank=max_tokens, num_sms=args.sms)
+    extra: dict = {"perform_initialization": not weights}
+    if cuda:
+        # Parameters allocated (and the first layer initialised) on the GPU: a DeepSeek-V3 layer on one rank
+        # holds 7.5e9 parameters, which the CPU initialises in about 40 s.
+        extra["use_cpu_initialization"] = False
+        if not weights:
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+            model_parallel_cuda_manual_seed(SEED)  # the expert weights come from Megatron's RNG tracker
     shape = TinyMoEConfig(hidden=model.hidden, ffn=model.ffn, num_experts=model.experts, topk=model.topk,
-                          params_dtype=torch.bfloat16 if cuda else torch.float32)
-    return build_moe_layer(shape, variant.dispatcher, seed=11, sync_free_experts=variant.no_host_sync)
+                          params_dtype=torch.bfloat16 if cuda else torch.float32, extra=extra)
+    layer = build_moe_layer(shape, variant.dispatcher, seed=SEED, sync_free_experts=variant.sync_free_experts)
+    if weights:
+        layer.load_state_dict(weights, strict=True)
+    else:
+        # SequentialMLP's keys either way (SyncFreeSequentialMLP loads and saves them too).
+        weights.update({key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                        for key, value in layer.state_dict().items()})
+    return layer
 
 
 def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int], references: dict[int, torch.Tensor],
-                    args: argparse.Namespace, cuda: bool) -> list[dict]:
+                    weights: dict, args: argparse.Namespace, cuda: bool) -> list[dict]:
     """Builds the layer of ``variant`` once and times it at every token count.
 
     Args:
@@ -132,6 +213,7 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         tokens_list: Tokens per rank to measure.
         references: Per token count, the ``alltoall`` layer output on this rank's input (filled in by the
             ``alltoall`` variant, which runs first).
+        weights: The model's layer weights (filled in by the first variant, which runs first: ``alltoall``).
         args: ``--iters``, ``--warmup``, ``--sms``.
         cuda: GPUs (BF16; ElasticBuffer for deepepv2) or CPU (FP32; reference backend).
 
@@ -139,16 +221,23 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         One row per token count. A layer Megatron refuses to build (the same on every rank) gives rows that say why.
     """
     import megatron_deepepv2 as dv2  # noqa: PLC0415
+    from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import capture_layer_step, dispatcher_path_step, layer_step  # noqa: PLC0415
 
+    start = time.perf_counter()
     try:
-        layer = _build_layer(variant, model, max(tokens_list), args, cuda)
+        layer = _build_layer(variant, model, max(tokens_list), args, cuda, weights)
     except Exception as error:  # noqa: BLE001 - a configuration Megatron rejects: recorded, the run goes on
         dv2.configure(no_host_sync=False)
-        return [{"variant": variant.name, "tokens": tokens, "unavailable": f"build failed: {type(error).__name__}: "
-                 f"{str(error).splitlines()[0] if str(error) else ''}"} for tokens in tokens_list]
+        reason = f"build failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        logger.info("   %-34s not run: %s", variant.name, reason)
+        return [{"variant": variant.name, "tokens": tokens, "unavailable": reason} for tokens in tokens_list]
+    logger.info("   %-34s built in %.1f s", variant.name, time.perf_counter() - start)
     dtype = next(layer.parameters()).dtype
     device = next(layer.parameters()).device
+    # What the layer really holds (the baselines are paired on it).
+    expert_module = type(layer.experts).__name__
+    num_sms = dispatch_config_for(layer.config).num_sms if variant.dispatcher == "deepepv2" else None
 
     def time_call(fn: _bench.Step) -> float:
         return _bench.median_us(fn, args.iters, args.warmup, cuda=cuda)
@@ -158,7 +247,10 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         gen = torch.Generator().manual_seed(1000 * tokens + dist.get_rank())
         x = torch.randn(tokens, 1, model.hidden, generator=gen).to(device=device, dtype=dtype).requires_grad_()
         grad = torch.ones_like(x)
-        row: dict = {"variant": variant.name, "tokens": tokens}
+        row: dict = {"variant": variant.name, "tokens": tokens, "expert_module": expert_module,
+                     "cuda_graph": variant.graph}
+        if num_sms is not None:
+            row["num_sms"] = num_sms
         layer.zero_grad(set_to_none=True)  # the peak is measured above the weights alone, at every token count
         if cuda:
             torch.cuda.synchronize()
@@ -177,7 +269,7 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         if cuda:
             torch.cuda.synchronize()
             row["peak_mib"] = _bench.max_over_ranks((torch.cuda.max_memory_allocated() - before) / 2**20, cuda)
-        if variant.dispatcher == "alltoall":
+        if variant.name == "alltoall":
             references[tokens] = output
         elif tokens in references:
             reference = references[tokens]
@@ -186,105 +278,204 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
                 float((output.float() - reference.float()).abs().max()) / scale, cuda)
             row["matches"] = row["max_rel_diff"] <= (5e-2 if dtype == torch.bfloat16 else 1e-4)
         rows.append(row)
-        logger.info("   %-30s T%-6d %s", variant.name, tokens, ", ".join(
+        logger.info("   %-34s T%-6d %s", variant.name, tokens, ", ".join(
             f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
-            if k not in ("variant", "tokens")))
+            if k not in ("variant", "tokens", "cuda_graph")))
     del layer
     dv2.destroy_buffers()
     dv2.configure(no_host_sync=False)
     return rows
 
 
-def compare(args: argparse.Namespace, cuda: bool,
-            after_model: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
-    """All rows, models x variants x tokens (in an initialised process group with Megatron's EP state).
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Sets each measured row's ratios (baseline time / row time; > 1: faster than the baseline), in place.
 
-    ``after_model`` gets the rows so far after each model (the outputs are rewritten then, so that a run cut short
-    keeps what it measured).
+    ``layer_speedup`` is against ``layer_baseline``: of the same model and tokens, the Megatron ``alltoall`` row whose
+    layer holds the same experts (:data:`LAYER_BASELINES`, paired on the row's ``expert_module``, the class the layer
+    really held). ``path_speedup`` is against ``path_baseline``: ``alltoall``'s dispatcher path (identity experts).
+    A baseline row gets no ratio against itself.
+
+    Returns:
+        ``rows``.
     """
-    rows = []
-    variants = [v for v in VARIANTS if args.variants is None or v.name in args.variants or v.name == "alltoall"]
-    for model_name in args.models:
-        model = MODELS[model_name]
-        logger.info("== %s (hidden %d, %d experts, top-%d, FFN %d), tokens per rank %s", model_name, model.hidden,
-                    model.experts, model.topk, model.ffn, args.tokens)
-        base = {"model": model_name, **asdict(model)}
-        references: dict[int, torch.Tensor] = {}
-        for variant in variants:
-            reason = unavailable_reason(variant, cuda)
-            if reason is not None:
-                logger.info("   %-30s not run: %s", variant.name, reason)
-                measured = [{"variant": variant.name, "tokens": t, "unavailable": reason} for t in args.tokens]
-            else:
-                measured = measure_variant(variant, model, args.tokens, references, args, cuda)
-            rows += [{**base, **row} for row in measured]
-        if after_model is not None:
-            after_model(rows)
+    measured = {(r["model"], r["tokens"], r["variant"]): r for r in rows if "layer_us" in r}
+    for row in measured.values():
+        key = (row["model"], row["tokens"])
+        layer_baseline = LAYER_BASELINES.get(row["expert_module"])
+        base = measured.get((*key, layer_baseline))
+        if base is not None and base is not row and base["expert_module"] == row["expert_module"]:
+            row["layer_baseline"] = layer_baseline
+            row["layer_speedup"] = base["layer_us"] / row["layer_us"]
+        base = measured.get((*key, PATH_BASELINE))
+        if "path_us" in row and base is not None and base is not row and "path_us" in base:
+            row["path_baseline"] = PATH_BASELINE
+            row["path_speedup"] = base["path_us"] / row["path_us"]
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    """The tables: one per (model, tokens), deepepv2 rows with their ratio against the best other dispatcher."""
-    lines = []
+def compare(args: argparse.Namespace, cuda: bool,
+            after_variant: Optional[Callable[[list[dict], bool], None]] = None) -> list[dict]:
+    """All rows, models x variants x tokens (in an initialised process group with Megatron's EP state).
+
+    ``after_variant`` gets the rows so far after each variant, and whether that variant ended a model (the outputs
+    are rewritten then, so that a run cut short keeps what it measured).
+    """
+    rows: list[dict] = []
+    variants = selected_variants(args.variants)
+    start = time.perf_counter()
+    for model_name in args.models:
+        model = MODELS[model_name]
+        logger.info("== %s (hidden %d, %d experts, top-%d, FFN %d), tokens per rank %s (%.0f s so far)", model_name,
+                    model.hidden, model.experts, model.topk, model.ffn, args.tokens, time.perf_counter() - start)
+        base = {"model": model_name, **asdict(model)}
+        references: dict[int, torch.Tensor] = {}
+        weights: dict = {}
+        for index, variant in enumerate(variants):
+            reason = unavailable_reason(variant, cuda)
+            if reason is not None:
+                logger.info("   %-34s not run: %s", variant.name, reason)
+                measured = [{"variant": variant.name, "tokens": t, "unavailable": reason} for t in args.tokens]
+            else:
+                measured = measure_variant(variant, model, args.tokens, references, weights, args, cuda)
+            rows += [{**base, **row} for row in measured]
+            add_ratios(rows)
+            if after_variant is not None:
+                after_variant(rows, index == len(variants) - 1)
+        del weights, references
+        if cuda:
+            torch.cuda.empty_cache()
+    logger.info("== done in %.0f s", time.perf_counter() - start)
+    return rows
+
+
+def _ratio(row: dict, kind: str) -> str:
+    if f"{kind}_speedup" not in row:
+        return "-"
+    return f"{row[f'{kind}_speedup']:.2f}x vs {row[f'{kind}_baseline']}"
+
+
+def markdown(rows: list[dict], meta: Optional[dict] = None) -> str:
+    """The tables: one per (model, tokens), each ratio with the baseline it was taken against."""
+    meta = meta or {}
+    commit = meta.get("git_commit") or "unknown commit"
+    if meta.get("git_dirty"):
+        commit += " (uncommitted changes)"
+    lines = [f"{meta.get('date', '')}, {meta.get('device', '?')}, EP={meta.get('world_size', '?')}, deepepv2 on "
+             f"{meta.get('deepepv2_num_sms', '?')} SMs, {commit}; median of {meta.get('iters', '?')} after "
+             f"{meta.get('warmup', '?')} warm-ups, slowest rank.", "",
+             "Ratios are baseline time / row time (> 1: faster than the baseline). **layer**: against Megatron's "
+             "alltoall with the same experts (`alltoall` for SequentialMLP rows, `alltoall-syncfree` for "
+             "SyncFreeSequentialMLP rows), so that it measures the dispatcher, not the experts. **path** (router, "
+             "dispatch, identity experts, combine: the dispatchers alone): against `alltoall`'s path.", "",
+             "Variants:"]
+    present = {r["variant"] for r in rows}
+    lines += [f"- `{v.name}`: {v.description}." for v in VARIANTS if v.name in present]
+    lines.append("")
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["tokens"]), []).append(row)
     for (model, tokens), group in groups.items():
-        others = [r for r in group if "layer_us" in r and not r["variant"].startswith("deepepv2")]
-        best_path = min((r["path_us"] for r in others if "path_us" in r), default=None)
-        best_layer = min((r["layer_us"] for r in others), default=None)
         lines += [f"### {model}, {tokens} tokens per rank", "",
-                  "| dispatcher | path fwd+bwd (us) | layer fwd+bwd (us) | peak (MiB) | vs best other: path / layer | "
-                  "output vs alltoall |", "|---|---|---|---|---|---|"]
+                  "| variant | expert module | path fwd+bwd (us) | path ratio | layer fwd+bwd (us) | layer ratio | "
+                  "peak (MiB) | output vs alltoall |", "|---|---|---|---|---|---|---|---|"]
         for r in group:
             if "unavailable" in r:
-                lines.append(f"| {r['variant']} | not run: {r['unavailable']} | | | | |")
+                lines.append(f"| {r['variant']} | | not run: {r['unavailable']} | | | | | |")
                 continue
-            ratios = ""
-            if r["variant"].startswith("deepepv2") and best_layer:
-                path_ratio = f"{best_path / r['path_us']:.2f}x" if best_path and "path_us" in r else "-"
-                ratios = f"{path_ratio} / {best_layer / r['layer_us']:.2f}x"
-            match = "" if "max_rel_diff" not in r else f"{r['max_rel_diff']:.1e} ({'ok' if r['matches'] else 'DIFFERS'})"
+            match = ("" if "max_rel_diff" not in r
+                     else f"{r['max_rel_diff']:.1e} ({'ok' if r['matches'] else 'DIFFERS'})")
             path_us = f"{r['path_us']:.0f}" if "path_us" in r else "-"
+            layer_us = f"{r['layer_us']:.0f}" + (" (CUDA graph)" if r.get("cuda_graph") else "")
             peak = f"{r['peak_mib']:.0f}" if "peak_mib" in r else "-"
-            lines.append(f"| {r['variant']} | {path_us} | {r['layer_us']:.0f} | {peak} | {ratios} | {match} |")
+            lines.append(f"| {r['variant']} | {r['expert_module']} | {path_us} | {_ratio(r, 'path')} | {layer_us} | "
+                         f"{_ratio(r, 'layer')} | {peak} | {match} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(document: dict, path: str) -> None:
-    """Bars of each variant's layer time per (model, tokens), in ms (0: not run)."""
+    """Bars of each variant's layer time per (model, tokens), in ms, log scale; SyncFreeSequentialMLP rows hatched
+    (variants not run anywhere left out)."""
     rows = document["rows"]
-    where = f"{document.get('device', '')}, EP={document.get('world_size', '?')}"
+    where = (f"{document.get('device', '')}, EP={document.get('world_size', '?')}, deepepv2 on "
+             f"{document.get('deepepv2_num_sms', '?')} SMs")
     groups = sorted({(r["model"], r["tokens"]) for r in rows}, key=str)
-    fig, ax = _bench.new_figure(max(8, 2.5 * len(groups)), 5)
-    series = {variant.name: [next((r["layer_us"] / 1000 for r in rows if (r["model"], r["tokens"]) == group
-                                   and r["variant"] == variant.name and "layer_us" in r), 0.0) for group in groups]
-              for variant in VARIANTS}
-    _bench.grouped_bars(ax, [f"{m}\nT{t}" for m, t in groups], series, fontsize=7, legend_columns=4)
-    ax.set_ylabel("MoE layer forward + backward, ms (median; 0 = not run)")
-    ax.set_title(f"Dispatchers side by side ({where}), lower is better", fontsize=10)
+    fig, ax = _bench.new_figure(max(9, 3 * len(groups)), 6)
+    series, hatched = {}, []
+    for v in VARIANTS:
+        values = [next((r["layer_us"] / 1000 for r in rows if (r["model"], r["tokens"]) == group
+                        and r["variant"] == v.name and "layer_us" in r), 0.0) for group in groups]
+        if any(values):
+            series[f"{v.name} [{v.expert_module}{', whole layer in a CUDA graph' if v.graph else ''}]"] = values
+            hatched.append(v.sync_free_experts)
+    if not series:
+        series = {"nothing measured": [0.0] * len(groups)}
+        hatched = [False]
+    _bench.grouped_bars(ax, [f"{m}\nT{t}" for m, t in groups], series, fontsize=7)
+    for container, hatch in zip(ax.containers, hatched):
+        for bar in container:
+            bar.set_hatch("//" if hatch else "")
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    if any(any(values) for values in series.values()):
+        ax.set_yscale("log")
+    ax.set_ylabel("MoE layer forward + backward, ms (median, log scale)")
+    ax.set_title(f"Dispatchers side by side ({where}), lower is better\n"
+                 "compare bars with the same experts (hatched: SyncFreeSequentialMLP)", fontsize=9)
     _bench.save_figure(fig, path)
 
 
-def write_outputs(rows: list[dict], out: str, meta: dict) -> None:
-    """Writes the markdown tables, the JSON (``meta`` and the rows) and the PNG to ``out``."""
+def write_outputs(rows: list[dict], out: str, meta: dict, with_plot: bool = True) -> None:
+    """Writes the markdown tables, the JSON (``meta`` and the rows) and, ``with_plot``, the PNG to ``out``."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "compare_dispatchers.md"), "w") as f:
-        f.write(markdown(rows))
-    _bench.write_outputs(out, "compare_dispatchers", {**meta, "rows": rows}, plot)
+        f.write(markdown(rows, meta))
+    _bench.write_outputs(out, "compare_dispatchers", {**meta, "rows": rows}, plot if with_plot else None)
+
+
+def run_metadata(args: argparse.Namespace, cuda: bool) -> dict:
+    """What the JSON says about the run: settings, SMs, commit, date, versions, variants and their baselines."""
+    versions = {}
+    for package in ("torch", "megatron-core", "deep_ep", "megatron-deepepv2"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        **_bench.provenance(__file__),
+        "deepepv2_backend": "deepep (ElasticBuffer)" if cuda else "reference",
+        "deepepv2_num_sms": args.sms,
+        "dtype": "bf16" if cuda else "fp32",
+        "models": args.models,
+        "tokens": args.tokens,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "versions": versions,
+        "ratios": "baseline time / row time (> 1: faster than the baseline); layer_speedup against layer_baseline "
+                  "(Megatron's alltoall with the same experts), path_speedup against path_baseline (alltoall's "
+                  "dispatcher path, identity experts)",
+        "layer_baselines": LAYER_BASELINES,
+        "path_baseline": PATH_BASELINE,
+        "variants": {v.name: {"dispatcher": v.dispatcher, "expert_module": v.expert_module,
+                              "host_sync": not v.no_host_sync, "cuda_graph": v.graph,
+                              "layer_baseline": LAYER_BASELINES[v.expert_module],
+                              "description": v.description} for v in VARIANTS},
+    }
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    from megatron_deepepv2.config import DEFAULT_NUM_SMS  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["deepseek-v3", "qwen3-30b-a3b",
                                                                                  "mixtral-8x7b"])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096], help="tokens per rank (default: 4096)")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=None,
-                        help="a subset (alltoall always runs: it is the reference)")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sms", type=int, default=24, help="SMs for DeepEP v2's kernels (0 = its default)")
+                        help="a subset (the alltoall rows their ratios need always run)")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per measurement (the median is kept)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before them")
+    parser.add_argument("--sms", type=int, default=DEFAULT_NUM_SMS,
+                        help=f"SMs for DeepEP v2's kernels (default: the package's default, {DEFAULT_NUM_SMS}; "
+                             "0 = DeepEP's analytic model)")
     parser.add_argument("--cpu", action="store_true", help="2 gloo CPU processes, reference backend (smoke run)")
     parser.add_argument("--out", default="bench_out")
     return parser.parse_args(argv)
@@ -292,7 +483,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def run_rank(rank: int, args: argparse.Namespace, cuda: bool, meta: dict) -> list[dict]:
     """One rank's part, in an initialised process group: installs the plugin, sets up EP, compares; rank 0 writes
-    the outputs (with ``meta``) after each model."""
+    the outputs (:func:`run_metadata` with ``meta`` over it, and the rows) after each variant."""
     import megatron_deepepv2 as dv2  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
 
@@ -303,7 +494,15 @@ def run_rank(rank: int, args: argparse.Namespace, cuda: bool, meta: dict) -> lis
     dv2.install()
     init_expert_parallel()
     _bench.setup_logging(rank)
-    return compare(args, cuda, (lambda rows: write_outputs(rows, args.out, meta)) if rank == 0 else None)
+    if rank == 0:
+        meta = {**run_metadata(args, cuda), **meta}
+        logger.info("%s, EP=%s, deepepv2 on %s SMs, commit %s%s", meta.get("device"), meta.get("world_size"),
+                    args.sms, meta["git_commit"], " (uncommitted changes)" if meta["git_dirty"] else "")
+
+    def after_variant(rows: list[dict], model_done: bool) -> None:
+        write_outputs(rows, args.out, meta, with_plot=model_done)
+
+    return compare(args, cuda, after_variant if rank == 0 else None)
 
 
 def _cpu_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
