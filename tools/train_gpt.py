@@ -21,7 +21,12 @@ Two subcommands:
 
 A step's time is the wall clock between two consecutive ``training_log`` calls (Megatron reads the loss on the host
 every step, so each call follows the step's end); the report takes the median over the steps after ``--skip``
-(warm-up: DeepEP's JIT, CUDA-graph capture).
+(warm-up: DeepEP's JIT, CUDA-graph capture). Runs that share a label (repeats of one configuration, e.g. interleaved
+pairs) are reported one by one and together: the median of their medians and their spread.
+
+``record --profile FIRST:LAST --profile-out TRACE.json.gz`` also traces steps FIRST to LAST with ``torch.profiler``
+(host with Python stacks, and GPU), each step marked ``ProfilerStep#N`` from one ``training_log`` to the next, for
+``tools/trace_summary.py``. Profiled steps run slower: time runs without it.
 """
 
 from __future__ import annotations
@@ -68,12 +73,18 @@ class StepRecorder:
     Args:
         path: The JSON-lines file (rewritten at the start).
         label: The run's name, written in the first line.
+        profile: ``(FIRST, LAST)`` iterations to trace with ``torch.profiler`` on rank 0, or None.
+        profile_out: Where the trace goes (``.json`` or ``.json.gz``).
     """
 
-    def __init__(self, path: str, label: str) -> None:
+    def __init__(self, path: str, label: str, profile: Optional[tuple[int, int]] = None,
+                 profile_out: Optional[str] = None) -> None:
         self.path, self.label = path, label
         self._last: Optional[float] = None
         self._file = None
+        self._profile, self._profile_out = profile, profile_out
+        self._profiler: Any = None
+        self._step_range: Any = None
 
     def _header(self) -> dict:
         from megatron.training import get_args  # noqa: PLC0415
@@ -94,10 +105,38 @@ class StepRecorder:
             now = time.perf_counter()
             if not dist.is_initialized() or dist.get_rank() == 0:
                 self._write(iteration, loss_dict, grad_norm, learning_rate, skipped_iter, now)
+                if self._profile is not None:
+                    self._profile_step(int(iteration))
             return training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                                 skipped_iter, grad_norm, *args, **kwargs)
 
         return recorded
+
+    def _profile_step(self, iteration: int) -> None:
+        """Called at the end of each iteration: starts, marks and stops the trace of iterations FIRST to LAST."""
+        import torch  # noqa: PLC0415
+
+        first, last = self._profile
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if iteration == first - 1:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, with_stack=True)
+            self._profiler.__enter__()
+        if self._profiler is None:
+            return
+        if first - 1 <= iteration < last:
+            self._step_range = torch.profiler.record_function(f"ProfilerStep#{iteration + 1}")
+            self._step_range.__enter__()
+            return
+        self._profiler.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(os.path.abspath(self._profile_out)), exist_ok=True)
+        self._profiler.export_chrome_trace(self._profile_out)
+        logger.info("traced iterations %d-%d into %s", first, last, self._profile_out)
+        self._profiler, self._profile = None, None
 
     def _write(self, iteration: int, loss_dict: dict, grad_norm: Any, learning_rate: Any, skipped: Any,
                now: float) -> None:
@@ -117,13 +156,16 @@ class StepRecorder:
         self._file.flush()
 
 
-def record(out: str, label: str, target: Sequence[str]) -> int:
+def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[int, int]] = None,
+           profile_out: Optional[str] = None) -> int:
     """Runs ``python -m megatron_deepepv2.run TARGET...`` with a :class:`StepRecorder` on Megatron's training log.
 
     Args:
         out: The JSON-lines file.
         label: The run's name.
         target: ``[SCRIPT, ARGS...]`` as for ``megatron_deepepv2.run``.
+        profile: Iterations ``(FIRST, LAST)`` to trace, or None.
+        profile_out: The trace file.
 
     Returns:
         The runner's exit status.
@@ -134,7 +176,7 @@ def record(out: str, label: str, target: Sequence[str]) -> int:
     megatron_deepepv2.install()  # before Megatron's training modules are imported (run.main's install is then a no-op)
     import megatron.training.training as training  # noqa: PLC0415
 
-    training.training_log = StepRecorder(out, label).wrap(training.training_log)
+    training.training_log = StepRecorder(out, label, profile, profile_out).wrap(training.training_log)
     return run.main(list(target))
 
 
@@ -190,26 +232,81 @@ def bitwise_equal(run: dict, other: dict) -> dict:
     return {"iterations": len(common), "equal": bool(common), "range": [common[0], common[-1]] if common else None}
 
 
-def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], skip: int) -> dict:
+def configurations(summaries: Sequence[dict]) -> dict:
+    """Runs grouped by label: each configuration's runs, the median of their median step times, and their spread."""
+    groups: dict[str, list[dict]] = {}
+    for run in summaries:
+        groups.setdefault(run["label"], []).append(run)
+    out = {}
+    for label, runs in groups.items():
+        each = [r["median_step_ms"] for r in runs if r["median_step_ms"] is not None]
+        if not each:
+            continue
+        median = statistics.median(each)
+        tokens = next((r["tokens_per_s"] * r["median_step_ms"] / 1e3 for r in runs if r["tokens_per_s"]), None)
+        out[label] = {"runs": [r["run"] for r in runs], "median_step_ms_each": each, "median_step_ms": median,
+                      "spread_pct": (max(each) - min(each)) / median * 100,
+                      "tokens_per_s": tokens / (median / 1e3) if tokens else None}
+    return out
+
+
+def target_ratios(groups: dict, targets: Sequence[str]) -> list[dict]:
+    """``RUN:BASELINE:LIMIT`` targets: the ratio of the two configurations' median step times against ``LIMIT``, and
+    the ratio within each pair of runs (the k-th run of each: interleaved pairs), so the spread is seen."""
+    results = []
+    for target in targets:
+        parts = target.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"target {target!r}: give RUN:BASELINE:LIMIT (labels and a ratio, e.g. deepepv2:alltoall:1.0)")
+        run, baseline, limit = parts[0], parts[1], float(parts[2])
+        missing = [label for label in (run, baseline) if label not in groups]
+        if missing:
+            raise ValueError(f"target {target!r}: no runs labelled {missing}; labels: {sorted(groups)}")
+        a, b = groups[run]["median_step_ms_each"], groups[baseline]["median_step_ms_each"]
+        pairs = [x / y for x, y in zip(a, b)]
+        ratio = groups[run]["median_step_ms"] / groups[baseline]["median_step_ms"]
+        results.append({"run": run, "baseline": baseline, "limit": limit, "ratio": ratio, "met": ratio <= limit,
+                        "pair_ratios": pairs, "met_in_every_pair": bool(pairs) and all(r <= limit for r in pairs)})
+    return results
+
+
+def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], skip: int,
+           targets: Sequence[str] = ()) -> dict:
     """The comparison document of recorded runs.
+
+    Runs that share a label are repeats of one configuration: each is reported as ``LABEL#k`` (k from 1, in the order
+    given), and ``configurations`` puts them together.
 
     Args:
         paths: Runs to summarise (JSON-lines files).
-        baseline: Label of the run the others' loss gaps are taken against, or None.
+        baseline: Label of the configuration whose first run the others' loss gaps are taken against, or None.
         equal: ``A.jsonl:B.jsonl`` pairs that must be bitwise equal where their iterations overlap.
         skip: Warm-up steps left out of the step time.
+        targets: ``RUN:BASELINE:LIMIT`` step-time ratios to check (see :func:`target_ratios`).
 
     Returns:
-        ``{"runs": [...], "loss_gap": {label: ...}, "bitwise": [...]}``.
+        ``{"runs": [...], "configurations": {...}, "targets": [...], "loss_gap": {run: ...}, "bitwise": [...]}``.
+
+    Raises:
+        ValueError: For a baseline or target naming no run.
     """
     runs = [load(p) for p in paths]
-    by_label = {r["label"]: r for r in runs}
-    document: dict = {"runs": [summarise(r, skip) for r in runs], "skip": skip}
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run["label"]] = counts.get(run["label"], 0) + 1
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run["label"]] = seen.get(run["label"], 0) + 1
+        run["run"] = run["label"] if counts[run["label"]] == 1 else f"{run['label']}#{seen[run['label']]}"
+    summaries = [{"run": r["run"], **summarise(r, skip)} for r in runs]
+    document: dict = {"runs": summaries, "skip": skip, "configurations": configurations(summaries)}
+    document["targets"] = target_ratios(document["configurations"], targets)
     if baseline is not None:
-        if baseline not in by_label:
-            raise ValueError(f"baseline {baseline!r} is not one of the runs' labels: {sorted(by_label)}.")
+        reference = next((r for r in runs if r["label"] == baseline), None)
+        if reference is None:
+            raise ValueError(f"baseline {baseline!r} is not one of the runs' labels: {sorted(counts)}.")
         document["baseline"] = baseline
-        document["loss_gap"] = {r["label"]: loss_gap(r, by_label[baseline]) for r in runs if r["label"] != baseline}
+        document["loss_gap"] = {r["run"]: loss_gap(r, reference) for r in runs if r is not reference}
     document["bitwise"] = []
     for pair in equal:
         first, _, second = pair.partition(":")
@@ -225,18 +322,24 @@ def plot(document: dict, path: str) -> None:
     left, right = fig.subplots(1, 2)
     for run in document["runs"]:
         steps = sorted(run["loss"], key=int)
-        left.plot([int(s) for s in steps], [run["loss"][s] for s in steps], label=run["label"], linewidth=1)
+        left.plot([int(s) for s in steps], [run["loss"][s] for s in steps], label=run.get("run", run["label"]),
+                  linewidth=1)
     left.set_xlabel("iteration")
     left.set_ylabel("lm loss")
     left.set_yscale("log")
     left.legend(fontsize=8)
     left.set_title("loss per step")
-    timed = [r for r in document["runs"] if r["tokens_per_s"]]
-    bars = right.bar(range(len(timed)), [r["tokens_per_s"] / 1e3 for r in timed])
+    groups = [(label, g) for label, g in document.get("configurations", {}).items() if g["tokens_per_s"]]
+    tokens = [g["tokens_per_s"] / 1e3 for _, g in groups]
+    # The error bars span the configuration's runs (tokens/s of the slowest and the fastest run).
+    lows = [t - t * g["median_step_ms"] / max(g["median_step_ms_each"]) for t, (_, g) in zip(tokens, groups)]
+    highs = [t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t for t, (_, g) in zip(tokens, groups)]
+    bars = right.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
     right.bar_label(bars, fmt="%.0f", fontsize=7)
-    right.set_xticks(range(len(timed)), [r["label"] for r in timed], rotation=20, ha="right", fontsize=7)
+    right.set_xticks(range(len(groups)), [f"{label} (x{len(g['runs'])})" for label, g in groups], rotation=20,
+                     ha="right", fontsize=7)
     right.set_ylabel("thousand tokens / s")
-    right.set_title("throughput (median step)")
+    right.set_title("throughput (median step; bars: runs' range)")
     save_figure(fig, path)
 
 
@@ -246,6 +349,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rec = commands.add_parser("record", help="run a training script, recording every step")
     rec.add_argument("--out", required=True, help="JSON-lines file")
     rec.add_argument("--label", default=None, help="the run's name (default: the file name)")
+    rec.add_argument("--profile", default=None, metavar="FIRST:LAST", help="trace these iterations (torch.profiler)")
+    rec.add_argument("--profile-out", default=None, help="the trace file (.json or .json.gz)")
     rec.add_argument("target", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
     rep = commands.add_parser("report", help="compare recorded runs: JSON + PNG")
     rep.add_argument("runs", nargs="+", help="JSON-lines files")
@@ -254,19 +359,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep.add_argument("--baseline", default=None, help="label of the run to take loss gaps against")
     rep.add_argument("--equal", action="append", default=[], help="A.jsonl:B.jsonl, bitwise equal where they overlap")
     rep.add_argument("--skip", type=int, default=10, help="warm-up steps left out of the step time")
+    rep.add_argument("--target", action="append", default=[], metavar="RUN:BASELINE:LIMIT",
+                     help="a step-time ratio to check, e.g. deepepv2:alltoall:1.0 (labels; repeats are pooled)")
     args = parser.parse_args(argv)
     if args.command == "record":
         target = args.target[1:] if args.target[:1] == ["--"] else args.target
         if not target:
             parser.error("record needs the script to run: record --out FILE -- SCRIPT [ARGS...]")
         label = args.label or os.path.splitext(os.path.basename(args.out))[0]
-        return record(args.out, label, target)
+        profile = None
+        if args.profile:
+            first, _, last = args.profile.partition(":")
+            if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+                parser.error(f"--profile {args.profile}: give FIRST:LAST iterations, 1 <= FIRST <= LAST")
+            if not args.profile_out:
+                parser.error("--profile needs --profile-out TRACE.json.gz")
+            profile = (int(first), int(last))
+        return record(args.out, label, target, profile, args.profile_out)
     setup_logging()
-    document = report(args.runs, args.baseline, args.equal, args.skip)
+    document = report(args.runs, args.baseline, args.equal, args.skip, args.target)
     for run in document["runs"]:
-        logger.info("%-28s %4d steps  loss %.4f -> %.4f  %8.1f ms/step  %9.0f tokens/s", run["label"], run["steps"],
+        logger.info("%-30s %4d steps  loss %.4f -> %.4f  %8.1f ms/step  %9.0f tokens/s", run["run"], run["steps"],
                     run["first_loss"] or float("nan"), run["last_loss"] or float("nan"),
                     run["median_step_ms"] or float("nan"), run["tokens_per_s"] or float("nan"))
+    for label, group in document["configurations"].items():
+        logger.info("%-30s %d run(s): median %.1f ms/step (each %s, spread %.1f%%)", label, len(group["runs"]),
+                    group["median_step_ms"], ", ".join(f"{v:.1f}" for v in group["median_step_ms_each"]),
+                    group["spread_pct"])
+    for target in document["targets"]:
+        logger.info("target %s / %s = %.3f (limit %.2f: %s; pairs %s)", target["run"], target["baseline"],
+                    target["ratio"], target["limit"], "met" if target["met"] else "NOT met",
+                    ", ".join(f"{r:.3f}" for r in target["pair_ratios"]))
     for label, gap in document.get("loss_gap", {}).items():
         logger.info("loss gap %s vs %s: %s", label, document["baseline"], gap)
     for check in document["bitwise"]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tools import train_gpt
@@ -87,3 +90,59 @@ def test_report_command_fails_when_runs_that_must_be_equal_differ(tmp_path: Path
     assert train_gpt.main(["report", first, second, "--out", str(tmp_path / "o"), "--equal", f"{first}:{second}"]) == 1
     document = json.loads((tmp_path / "o" / "training.json").read_text())
     assert document["bitwise"][0]["first_difference"] == 3
+
+
+def test_repeated_runs_of_a_configuration_pool_into_medians_and_targets(tmp_path: Path) -> None:
+    """Two interleaved pairs: each run reported as LABEL#k, each configuration as the median of its runs' medians,
+    and a target as the ratio of those, with each pair's own ratio beside it."""
+    paths = [_write_run(tmp_path / "a1.jsonl", "alltoall", [5.0] * 6, [None, 0.20, 0.20, 0.21, 0.20, 0.90]),
+             _write_run(tmp_path / "d1.jsonl", "deepepv2", [5.0] * 6, [None, 0.18, 0.19, 0.18, 0.18, 0.18]),
+             _write_run(tmp_path / "a2.jsonl", "alltoall", [5.0] * 6, [None, 0.24, 0.24, 0.25, 0.24, 0.24]),
+             _write_run(tmp_path / "d2.jsonl", "deepepv2", [5.0] * 6, [None, 0.25, 0.25, 0.25, 0.26, 0.25])]
+    document = train_gpt.report(paths, "alltoall", [], skip=1,  # steps 2..6
+                                targets=["deepepv2:alltoall:1.0", "deepepv2:alltoall:0.9"])
+    assert [r["run"] for r in document["runs"]] == ["alltoall#1", "deepepv2#1", "alltoall#2", "deepepv2#2"]
+    group = document["configurations"]["deepepv2"]
+    assert group["median_step_ms_each"] == [180.0, 250.0] and math.isclose(group["median_step_ms"], 215.0)
+    assert math.isclose(group["spread_pct"], 70 / 215 * 100)
+    assert math.isclose(group["tokens_per_s"], 4096 / 0.215)
+    assert document["configurations"]["alltoall"]["median_step_ms_each"] == [200.0, 240.0]
+    loose, tight = document["targets"]
+    assert math.isclose(loose["ratio"], 215 / 220) and loose["met"] and not loose["met_in_every_pair"]
+    assert [round(r, 4) for r in loose["pair_ratios"]] == [0.9, round(250 / 240, 4)]
+    assert not tight["met"]
+    assert set(document["loss_gap"]) == {"deepepv2#1", "alltoall#2", "deepepv2#2"}
+    with pytest.raises(ValueError, match="no runs labelled \\['allgather'\\]"):
+        train_gpt.report(paths, None, [], skip=1, targets=["deepepv2:allgather:1.0"])
+
+
+def test_recorder_traces_the_asked_iterations_for_the_trace_summary(tmp_path: Path, monkeypatch) -> None:
+    from megatron.training import global_vars
+
+    from tools import trace_summary
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
+                        argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1), raising=False)
+    trace = tmp_path / "trace.json.gz"
+    recorded = train_gpt.StepRecorder(str(tmp_path / "run.jsonl"), "x", profile=(3, 4), profile_out=str(trace)).wrap(
+        lambda *args, **kwargs: None)
+
+    def a_training_step(seconds: float) -> None:
+        time.sleep(seconds)
+
+    for iteration in range(1, 7):
+        a_training_step(0.03 if iteration in (3, 4) else 0.001)  # iteration i runs, then its training_log
+        recorded({"lm loss": torch.tensor(1.0)}, {}, 1e-4, iteration, 1.0, True, 0, 1.0, None)
+    summary = trace_summary.summarise(trace_summary.load_trace(str(trace)), frames=re.compile("test_train_gpt"))
+    assert summary["steps"] == [3, 4] and 30 <= summary["wall_ms"] < 60
+    (step_frame,) = [name for name in summary["python"] if name.endswith(": a_training_step")]
+    assert summary["python"][step_frame]["calls"] == 1 and 30 <= summary["python"][step_frame]["ms"] < 60
+
+
+def test_profile_option_needs_a_window_and_a_file(capsys) -> None:
+    with pytest.raises(SystemExit):
+        train_gpt.main(["record", "--out", "x.jsonl", "--profile", "5:3", "--profile-out", "t.json", "--", "s.py"])
+    assert "1 <= FIRST <= LAST" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_gpt.main(["record", "--out", "x.jsonl", "--profile", "3:5", "--", "s.py"])
+    assert "--profile needs --profile-out" in capsys.readouterr().err
