@@ -11,6 +11,7 @@ steps are marked ``ProfilerStep#N``; ``.json`` or ``.json.gz``) and reports, per
   blocking ``cudaMemcpy``) first: time the host spent waiting for the GPU;
 * ``sync_sites``: where those waits were called from (the innermost Python frames of Megatron, this package, DeepEP
   and PyTorch's autograd), with their count and time;
+* ``ops``: PyTorch operators (``aten::...``) by inclusive host time and count;
 * ``python``: inclusive host time of the Python functions of Megatron and this package (as ``file(line): name``).
 
 With two or more traces, ``diff`` puts each run's figures beside the first one's: the Python functions and runtime
@@ -156,6 +157,11 @@ def summarise(events: list[dict], top: int = 25, site_depth: int = 4, frames: re
     for call, site in zip(syncs, _call_sites(python, syncs, site_depth, frames)):
         site_time[f"{call['name']} @ {site}"][0] += 1
         site_time[f"{call['name']} @ {site}"][1] += call["dur"]
+    op_time: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cpu_op" and step_of(e):
+            op_time[e["name"]][0] += 1
+            op_time[e["name"]][1] += e["dur"]
     python_time: dict[str, float] = collections.Counter()
     python_calls: dict[str, int] = collections.Counter()
     for e in python:
@@ -179,13 +185,16 @@ def summarise(events: list[dict], top: int = 25, site_depth: int = 4, frames: re
                     for name, (n, t) in sorted(runtime_calls.items(), key=lambda kv: -kv[1][1])[:top]},
         "sync_sites": {site: {"calls": round(n / count, 1), "ms": per_step_ms(t)}
                        for site, (n, t) in sorted(site_time.items(), key=lambda kv: -kv[1][1])[:top]},
+        "ops": {name: {"calls": round(n / count, 1), "ms": per_step_ms(t)}
+                for name, (n, t) in sorted(op_time.items(), key=lambda kv: -kv[1][1])[:top]},
         "python": {name: {"calls": round(python_calls[name] / count, 1), "ms": per_step_ms(t)}
                    for name, t in python_time.most_common(4 * top)},
     }
 
 
 def diff(summaries: dict[str, dict], top: int = 30) -> dict:
-    """Each run beside the first: step figures, and the Python functions / runtime calls that differ most (ms)."""
+    """Each run beside the first: step figures, and the Python functions, runtime calls and operators that differ
+    most (ms)."""
     labels = list(summaries)
     base = summaries[labels[0]]
     out: dict[str, Any] = {"baseline": labels[0], "runs": {}}
@@ -193,7 +202,7 @@ def diff(summaries: dict[str, dict], top: int = 30) -> dict:
         run = summaries[label]
         row: dict[str, Any] = {key: [base[key], run[key], round(run[key] - base[key], 3)]
                                for key in ("wall_ms", "gpu_busy_ms", "gpu_idle_ms", "sync_wait_ms", "syncs", "kernels")}
-        for section in ("python", "runtime"):
+        for section in ("python", "runtime", "ops"):
             names = set(base[section]) | set(run[section])
             rows = [(name, base[section].get(name, {}).get("ms", 0.0), run[section].get(name, {}).get("ms", 0.0))
                     for name in names]
