@@ -1,10 +1,12 @@
 """Shared pytest configuration: value validation is on and torch.compile off in every test process and rank; long
-tests start first."""
+tests start first; waiting for the GPU-job lock does not count against a test's timeout."""
 
 import gc
 import os
 
 import pytest
+
+from tests import gpu_jobs
 
 # The documented switch (megatron_deepepv2.config): host-side checks plus cross-rank agreement on errors.
 os.environ.setdefault("MEGATRON_DEEPEPV2_VALIDATE", "1")
@@ -33,6 +35,7 @@ LONG_TESTS = {
     "tests/unit/test_validation.py::test_each_failure_is_reported_with_its_own_cause": 5,
     "tests/unit/test_bench_hot_path.py::test_without_a_gpu_it_says_what_it_needs": 4,
     "tests/unit/test_distributed_harness.py::test_a_hung_rank_fails_after_the_timeout_with_its_stack": 4,
+    "tests/unit/test_gpu_jobs.py::test_waiting_for_the_lock_does_not_count_against_the_timeout": 3,
     # GPU jobs (skipped at once without GPUs): they run one at a time, so the GPU must be busy from the start.
     "tests/functional/test_deepep.py::": 1000,
     "tests/unit/test_readme.py::test_gpu_blocks_run_on_a_gpu_machine": 900,
@@ -49,6 +52,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # long tests, first in the order below, would all go to the first worker. One at a time, they spread.
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
+    # GPU jobs run one at a time (tests/gpu_jobs.py): a test's timeout stops while it waits for the GPU-job lock.
+    config.pluginmanager.register(gpu_jobs, "gpu_jobs")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

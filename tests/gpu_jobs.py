@@ -1,10 +1,17 @@
 """How the pytest wrappers of the GPU suites start their torchrun jobs: one at a time, on a free port.
 
 ``make test`` runs pytest with several ``-n`` workers, so the GPU wrappers (the functional suite, the ElasticBuffer
-replays, `make demo` of the README test) can be collected by different workers at once. Each job needs all GPUs and a
-rendezvous port, so :func:`run_gpu_job` holds a machine-wide file lock for the job's duration and every torchrun
-command gets a port that is free when it is built. The environment is the test process's minus the settings the test conftest
-forces for CPU tests (value validation synchronises the host, which the no-host-sync and CUDA-graph cases forbid).
+replays, `make demo` and the GPU blocks of the README test) can be collected by different workers at once. Each job
+needs all GPUs and a rendezvous port, so :func:`exclusive_gpus` (:func:`run_gpu_job` uses it) holds a machine-wide file
+lock for the job's duration and every torchrun command gets a port that is free when it is built. The environment is
+the test process's minus the settings the test conftest forces for CPU tests (value validation synchronises the host,
+which the no-host-sync and CUDA-graph cases forbid).
+
+Waiting for the lock does not count against the waiting test's pytest-timeout. This module is also a pytest plugin
+(tests/conftest.py registers it) that notes when pytest-timeout arms a test's timer; a test that finds the lock taken
+cancels its timer (through pytest-timeout's own hooks, so both its signal and thread methods) while it waits and, once
+it holds the lock, arms it again with what is left of its timeout. The timeout still limits everything the test does
+itself, its GPU jobs included. A wait gives up after :data:`MAX_LOCK_WAIT_S`, naming the holder.
 """
 
 from __future__ import annotations
@@ -15,15 +22,64 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import IO, Iterator, Sequence
 
-from tests.distributed import free_port
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK_PATH = Path(tempfile.gettempdir()) / "megatron_deepepv2_gpu_job.lock"
 #: Set by tests/conftest.py for the CPU tests; the GPU cases choose their own settings.
 CPU_TEST_SETTINGS = ("MEGATRON_DEEPEPV2_VALIDATE", "TORCHDYNAMO_DISABLE")
+#: How long a job waits for the lock before it fails: far beyond the GPU jobs' run times together (each is bounded by
+#: its test's timeout), so it ends only a wait on a holder that no timeout stops (a stopped process, say).
+MAX_LOCK_WAIT_S = 3600.0
+_POLL_S = 0.1
+
+#: The running test's pytest-timeout timer: (item, settings, when its budget started, the thread that runs the test).
+_timer: tuple[pytest.Item, object, float, int] | None = None
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings) -> None:
+    """Notes a test's timer; returns None, so pytest-timeout arms it next."""
+    global _timer
+    _timer = (item, settings, time.monotonic(), threading.get_ident())
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    global _timer
+    _timer = None
+
+
+@contextlib.contextmanager
+def _timeout_paused() -> Iterator[None]:
+    """The running test's timer off for the block, then on again with what is left of its timeout.
+
+    Only in the thread that runs the test (pytest-timeout's signal method can be armed from no other); elsewhere, and
+    outside pytest or without a timeout, the block is timed like the rest of the test.
+    """
+    global _timer
+    timer = _timer
+    if timer is None or timer[3] != threading.get_ident():
+        yield
+        return
+    item, settings, started, _ = timer
+    hook = item.config.pluginmanager.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    paused = time.monotonic()
+    used = paused - started
+    try:
+        yield
+    finally:
+        left = round(max(settings.timeout - used, 1e-3), 3)
+        hook.pytest_timeout_set_timer(item=item, settings=settings._replace(timeout=left))
+        _timer = (item, settings, time.monotonic() - used, timer[3])  # the call above noted `left` as the timeout
+        print(f"waited {time.monotonic() - paused:.1f} s for the GPU-job lock, not counted against the "
+              f"{settings.timeout:g} s timeout ({left:.1f} s of it left)", file=sys.stderr)
 
 
 def gpu_job_env() -> dict[str, str]:
@@ -37,20 +93,42 @@ def gpu_job_env() -> dict[str, str]:
 
 def torchrun_command(script: str, *args: str, nproc: int = 2) -> list[str]:
     """``python -m torch.distributed.run`` for ``script`` on ``nproc`` GPUs, rendezvous on a free local port."""
+    # Imported here: it imports torch, which tests/conftest.py, loading this module as a plugin, must not yet do.
+    from tests.distributed import free_port
+
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / script), *args]
 
 
+def _try_lock(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
-def exclusive_gpus(lock_path: Path = LOCK_PATH) -> Iterator[None]:
-    """Holds the machine-wide GPU-job lock (waits for a job of another pytest worker to finish).
+def exclusive_gpus(lock_path: Path = LOCK_PATH, max_wait: float = MAX_LOCK_WAIT_S) -> Iterator[None]:
+    """Holds the machine-wide GPU-job lock (waits, untimed, for a job of another pytest worker to finish).
 
     Args:
-        lock_path: The lock file (another one only in the lock's own test, which must not wait for real GPU jobs).
+        lock_path: The lock file (another one only in the lock's own tests, which must not wait for real GPU jobs).
+        max_wait: Seconds to wait for the lock before raising ``TimeoutError`` with the holder's process and test.
     """
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with open(lock_path, "a+") as lock:
+        if not _try_lock(lock):
+            with _timeout_paused():
+                deadline = time.monotonic() + max_wait
+                while not _try_lock(lock):
+                    if time.monotonic() >= deadline:
+                        holder = Path(lock_path).read_text().strip() or "an unknown process"
+                        raise TimeoutError(f"waited {max_wait:g} s for the GPU-job lock {lock_path}, held by {holder}")
+                    time.sleep(_POLL_S)
         try:
+            lock.truncate(0)  # who holds it, for the message above
+            lock.write(f"pid {os.getpid()} ({os.environ.get('PYTEST_CURRENT_TEST') or ' '.join(sys.argv)})\n")
+            lock.flush()
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

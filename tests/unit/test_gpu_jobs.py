@@ -1,11 +1,17 @@
-"""The GPU wrappers' job plumbing on CPU: command lines, environment, and one job at a time."""
+"""The GPU wrappers' job plumbing on CPU: command lines, environment, one job at a time, and waits for the GPU-job
+lock that do not count against a test's timeout."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
+
+import pytest
 
 from tests.gpu_jobs import ROOT, exclusive_gpus, gpu_job_env, torchrun_command
 
@@ -48,3 +54,76 @@ def test_gpu_jobs_run_one_at_a_time(tmp_path) -> None:
     spans.sort()
     assert len(spans) == 3
     assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), spans
+
+
+def test_a_wait_past_max_wait_fails_naming_the_holder(tmp_path) -> None:
+    lock = tmp_path / "gpu.lock"
+    with exclusive_gpus(lock):  # a second open file of the same lock waits like another process would
+        with pytest.raises(TimeoutError, match=rf"waited 0.3 s for the GPU-job lock .* held by pid {os.getpid()} "
+                                               r"\(tests/unit/test_gpu_jobs.py::test_a_wait_past_max_wait"):
+            with exclusive_gpus(lock, max_wait=0.3):
+                pass
+
+
+# Tests of an inner pytest session with this suite's configuration (tests/conftest.py as a plugin): each holds a
+# timeout of TIMEOUT seconds and waits HOLD > TIMEOUT seconds for a lock that another process holds.
+_CONTENDED = """
+import subprocess, sys, time
+
+import pytest
+
+from tests.gpu_jobs import exclusive_gpus
+
+LOCK, TIMEOUT, HOLD = {lock!r}, 1.0, 1.5
+HOLDER = ("import fcntl, sys, time; lock = open(sys.argv[1], 'a'); fcntl.flock(lock, fcntl.LOCK_EX); "
+          "print('held', flush=True); time.sleep(float(sys.argv[2]))")
+
+
+def _taken_by_another_process():
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, LOCK, str(HOLD)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\\n"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_waits_longer_than_its_timeout():
+    _taken_by_another_process()
+    start = time.monotonic()
+    with exclusive_gpus(LOCK):
+        assert time.monotonic() - start > TIMEOUT
+        time.sleep(0.2 * TIMEOUT)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_runs_its_job_past_its_timeout():
+    _taken_by_another_process()
+    with exclusive_gpus(LOCK):
+        time.sleep(10 * TIMEOUT)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_works_before_and_after_the_wait_past_its_timeout():
+    time.sleep(0.6 * TIMEOUT)
+    _taken_by_another_process()
+    with exclusive_gpus(LOCK):
+        time.sleep(0.6 * TIMEOUT)
+"""
+
+
+@pytest.mark.parametrize("case, outcome", [
+    ("test_waits_longer_than_its_timeout", "PASSED"),  # the wait is not counted
+    ("test_runs_its_job_past_its_timeout", "FAILED"),  # the timeout still stops the job, after the wait
+    ("test_works_before_and_after_the_wait_past_its_timeout", "FAILED"),  # what ran before the wait counts too
+])
+def test_waiting_for_the_lock_does_not_count_against_the_timeout(tmp_path, case: str, outcome: str) -> None:
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_contended.py").write_text(_CONTENDED.format(lock=str(tmp_path / "gpu.lock")))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q", "-rA",
+                           f"test_contended.py::{case}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    output = done.stdout + done.stderr
+    assert re.search(rf"^{outcome} test_contended.py::{case}", output, re.M), output[-3000:]
+    assert re.search(r"waited 1\.\d s for the GPU-job lock, not counted against the 1 s timeout", output), output[-3000:]
+    if outcome == "FAILED":
+        assert "Timeout (>" in output and "from pytest-timeout" in output, output[-3000:]
+        assert time.monotonic() - start < 8, "the job ran on past its timeout"  # it would sleep 10 s
