@@ -78,7 +78,7 @@ def test_a_real_profile_and_the_difference_of_two(tmp_path: Path) -> None:
     assert slow["steps"] == [1, 2, 3] and 40 <= slow["wall_ms"] < 80 and 10 <= fast["wall_ms"] < 40
     (frame,) = [name for name in slow["python"] if name.endswith(": slow_part")]
     assert 40 <= slow["python"][frame]["ms"] < 60 and slow["python"][frame]["calls"] == 1
-    assert slow["ops"]["aten::sum"]["calls"] == 1 and slow["ops"]["aten::ones"]["calls"] == 1
+    assert slow["ops"]["aten::sum"]["calls"] >= 1 and slow["ops"]["aten::ones"]["calls"] >= 1
     differences = trace_summary.diff({"fast": fast, "slow": slow})
     row = differences["runs"]["slow"]
     assert differences["baseline"] == "fast" and 20 <= row["wall_ms"][2] < 45
