@@ -37,7 +37,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools._bench import new_figure, save_figure, setup_logging, write_outputs  # noqa: E402
+from tools._bench import new_figure, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
 
 logger = logging.getLogger("trace_summary")
 
@@ -260,7 +260,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         label = label or os.path.basename(path).split(".")[0]
         logger.info("reading %s (%s)", path, label)
         summaries[label] = summarise(load_trace(path), top=args.top, frames=re.compile(args.frames))
-    document = {"summaries": summaries, "diff": diff(summaries, top=args.top) if len(summaries) > 1 else {}}
+    document = {"summaries": summaries, "diff": diff(summaries, top=args.top) if len(summaries) > 1 else {},
+                "provenance": provenance()}
     _print(summaries, document["diff"])
     write_outputs(args.out, args.name, document, plot)
     return 0

@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools._bench import new_figure, save_figure, setup_logging, write_outputs  # noqa: E402
+from tools._bench import new_figure, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
 
 logger = logging.getLogger("train_gpt")
 
@@ -93,7 +93,8 @@ class StepRecorder:
         return {"label": self.label, "global_batch_size": args.global_batch_size, "seq_length": args.seq_length,
                 "tokens_per_step": args.global_batch_size * args.seq_length, "world_size": args.world_size,
                 "argv": sys.argv[1:], "environment": {k: v for k, v in os.environ.items()
-                                                        if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO"))}}
+                                                        if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO"))},
+                "provenance": provenance()}
 
     def wrap(self, training_log: Any) -> Any:
         """Returns ``training_log`` with the recording around it."""
@@ -207,7 +208,8 @@ def summarise(run: dict, skip: int) -> dict:
             "first_loss": steps[0]["losses"].get("lm loss") if steps else None,
             "last_loss": steps[-1]["losses"].get("lm loss") if steps else None,
             "loss": {str(s["iteration"]): s["losses"].get("lm loss") for s in steps},
-            "environment": run["header"].get("environment", {})}
+            "environment": run["header"].get("environment", {}),
+            "provenance": run["header"].get("provenance")}
 
 
 def loss_gap(run: dict, baseline: dict) -> dict:

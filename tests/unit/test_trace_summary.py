@@ -91,4 +91,5 @@ def test_the_command_writes_json_and_png(tmp_path: Path) -> None:
     assert trace_summary.main([f"one={trace}", f"two={trace}", "--out", str(tmp_path), "--name", "t"]) == 0
     document = json.loads((tmp_path / "t.json").read_text())
     assert document["diff"]["runs"]["two"]["wall_ms"] == [1.0, 1.0, 0.0]
+    assert document["provenance"]["date"].startswith("20")
     assert (tmp_path / "t.png").exists() == (importlib.util.find_spec("matplotlib") is not None)

@@ -42,6 +42,7 @@ def test_recorder_keeps_each_step_exactly_and_passes_the_call_on(tmp_path: Path,
     header, steps = lines[0], lines[1:]
     assert header["label"] == "deepepv2" and header["tokens_per_step"] == 32
     assert header["environment"]["MEGATRON_DEEPEPV2_EXPERTS"] == "sync_free"
+    assert set(header["provenance"]) == {"git_commit", "git_dirty", "date"}
     for step, loss in zip(steps, losses):
         assert float.fromhex(step["losses_hex"]["lm loss"]) == loss.item()  # the float32 value, bit for bit
         assert step["losses"]["load_balancing_loss"] == 1.5  # a (sum, count) pair
