@@ -469,19 +469,21 @@ def provenance(path: Optional[str] = None) -> dict[str, Any]:
 
     Returns:
         ``git_commit`` (short hash), ``git_dirty`` (uncommitted changes to tracked files; untracked files do not
-        count) and ``date`` (UTC, ISO 8601). Without a git checkout (a copy of the tree) the commit and its state are
-        read from :data:`REVISION_ENV` (``<hash>`` or ``<hash>-dirty``); where that is unset too, both are None.
+        count) and ``date`` (UTC, ISO 8601). :data:`REVISION_ENV` (``<hash>`` or ``<hash>-dirty``), when set, is
+        the answer: a copy of the tree may have no git checkout or an older one (a remote machine's copy of the
+        working tree with the ``.git`` of an earlier commit). Unset, git says; without git both are None.
     """
-    root = path if path and os.path.isdir(path) else os.path.dirname(os.path.abspath(path or __file__))
-    commit = _git(root, "rev-parse", "--short", "HEAD")
-    dirty: Optional[bool] = None
-    if commit:
-        status = _git(root, "status", "--porcelain", "--untracked-files=no")
-        dirty = None if status is None else bool(status)
+    value = os.environ.get(REVISION_ENV, "").strip()
+    if value:
+        commit: Optional[str] = value.removesuffix("-dirty")
+        dirty: Optional[bool] = value.endswith("-dirty")
     else:
-        value = os.environ.get(REVISION_ENV, "").strip()
-        commit = value.removesuffix("-dirty") or None
-        dirty = value.endswith("-dirty") if commit else None
+        root = path if path and os.path.isdir(path) else os.path.dirname(os.path.abspath(path or __file__))
+        commit = _git(root, "rev-parse", "--short", "HEAD")
+        dirty = None
+        if commit:
+            status = _git(root, "status", "--porcelain", "--untracked-files=no")
+            dirty = None if status is None else bool(status)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"git_commit": commit, "git_dirty": dirty, "date": date}
 

@@ -150,3 +150,20 @@ def test_a_refused_configuration_is_reported_and_other_errors_propagate() -> Non
                                        "more lines"}
     with pytest.raises(RuntimeError):
         _bench.build_or_reason("broken", lambda: (_ for _ in ()).throw(RuntimeError("bug")), not_run)
+
+
+def test_provenance_names_the_commit_from_git_or_from_the_environment(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    monkeypatch.delenv(_bench.REVISION_ENV, raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    here = _bench.provenance()
+    assert here["git_commit"] == head and isinstance(here["git_dirty"], bool) and here["date"].endswith("Z")
+    assert _bench.provenance(str(tmp_path))["git_commit"] is None  # no checkout, no setting: unknown
+    # A copy of the tree (a remote machine's) may carry the .git of an earlier commit: the setting wins.
+    monkeypatch.setenv(_bench.REVISION_ENV, "abc1234-dirty")
+    assert (_bench.provenance()["git_commit"], _bench.provenance()["git_dirty"]) == ("abc1234", True)
+    monkeypatch.setenv(_bench.REVISION_ENV, "abc1234")
+    assert (_bench.provenance(str(tmp_path))["git_commit"], _bench.provenance()["git_dirty"]) == ("abc1234", False)
