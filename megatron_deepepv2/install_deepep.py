@@ -733,10 +733,7 @@ class Installer:
                       log_name="deep_ep-build.log", env=self._build_env())
         if self.options.dry_run:
             return f"would build DeepEP with {self.plan.cxx} against NCCL at {self.plan.nccl_root}"
-        installed, extension = self._installed_extension()
-        if installed is None or extension is None:
-            raise InstallError("deep_ep", "pip finished but no deep_ep/_C*.so is installed; see deep_ep-build.log")
-        self._check_extension(extension)
+        installed, extension = self._checked_extension("deep_ep", "deep_ep-build.log")
         self._save_state("deep_ep", {**fingerprint, "installed_version": installed["version"]})
         return f"built and installed deep_ep {installed['version']} in {time.monotonic() - started:.0f} s: {extension}"
 
@@ -890,10 +887,7 @@ class Installer:
         self._pip("install", "--no-index", "--no-deps", "--force-reinstall", *wheels, log_name="wheels-install.log")
         if self.options.dry_run:
             return f"would install {', '.join(map(os.path.basename, wheels))}"
-        installed, extension = self._installed_extension()
-        if installed is None or extension is None:
-            raise InstallError("install", "pip finished but no deep_ep/_C*.so is installed; see wheels-install.log")
-        self._check_extension(extension)
+        installed, _ = self._checked_extension("install", "wheels-install.log")
         if self.plan.nccl_kind == "source":
             self._check_torch_loads(os.path.join(self.plan.nccl_root, "lib", f"libnccl.so.{self.plan.nccl_version[0]}"),
                                     "install", f"the {NCCL_WHEEL_NAME} wheel's .pth")
@@ -910,6 +904,14 @@ class Installer:
             raise InstallError(step, f"with {cause} in place PyTorch maps {mapped or 'no libnccl'}, not only "
                                f"{expected}. Something loads another NCCL first (LD_PRELOAD, LD_LIBRARY_PATH, an earlier "
                                "sys.path entry with nvidia/nccl/lib): remove it and rerun")
+
+    def _checked_extension(self, step: str, log_name: str) -> tuple[dict[str, Any], str]:
+        """The deep_ep a ``pip install`` just installed and its extension, checked (else the step fails)."""
+        installed, extension = self._installed_extension()
+        if installed is None or extension is None:
+            raise InstallError(step, f"pip finished but no deep_ep/_C*.so is installed; see {log_name}")
+        self._check_extension(extension)
+        return installed, extension
 
     def _check_extension(self, extension: str) -> None:
         needed = self.system.needed_libraries(extension)
