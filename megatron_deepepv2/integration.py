@@ -13,7 +13,8 @@ place                                   change
                                         rejected instead of silently becoming deepep
 ``moe_layer.MoEFlexTokenDispatcher``    rebound to :class:`DeepepV2FlexTokenDispatcher`, which builds
                                         :class:`~megatron_deepepv2.manager._DeepepV2Manager` for
-                                        deepepv2 and defers to Megatron for every other backend
+                                        deepepv2 (and runs its ``dispatch_preprocess`` without
+                                        ``torch.compile``) and defers to Megatron for every other backend
 ``should_free_input``                   deepepv2 keeps the EP-overlap schedule's inputs like deepep, and
                                         (expand) the experts' input like hybridep
 ``build_transformer_layer_callables``   deepepv2 detaches probs across schedule nodes like deepep
@@ -238,6 +239,32 @@ def _make_dispatcher_class():
             )
             _log_manager_once(self._comm_manager)
             self.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.token_indices"]
+
+        def dispatch_preprocess(self, hidden_states, routing_map, probs):
+            """Megatron's flex ``dispatch_preprocess`` for deepepv2, without ``torch.compile``.
+
+            Megatron compiles the stage (``@jit_fuser``); for deepepv2 it is two views and the manager's ``topk``, for
+            which the compiled function's guards and wrappers cost more host time than the work (a training step of
+            many small layers is host-bound). Other backends keep Megatron's compiled stage.
+
+            Args:
+                hidden_states: ``[S, B, H]`` (or any ``[..., H]``) tokens.
+                routing_map: ``[T, E]`` router map (only its token count is used).
+                probs: ``[T, E]`` routing probabilities, zero where not selected.
+
+            Returns:
+                ``([T, H] tokens, [T, K] probabilities of the selected experts)``.
+            """
+            if self.config.moe_flex_dispatcher_backend != BACKEND_NAME:
+                return super().dispatch_preprocess(hidden_states, routing_map, probs)
+            self.hidden_shape = hidden_states.shape
+            hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+            # Probabilities over the TPxEP group, [T, ep, tp, E_local]: replicated over the TP ranks, as Megatron's
+            # _initialize_metadata does (a view when tp == 1; the manager's reshape copies it otherwise).
+            probs = probs.reshape(probs.shape[0], self.ep_size, 1, self.num_local_experts).expand(
+                -1, -1, self.tp_size, -1)
+            self._comm_manager.setup_metadata(routing_map, probs)
+            return hidden_states, self._comm_manager.token_probs
 
     return DeepepV2FlexTokenDispatcher
 

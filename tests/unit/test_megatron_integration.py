@@ -532,3 +532,63 @@ def test_megatron_layers_call_deepep_synchronously_whatever_the_stream_flags() -
     for calls in run_distributed(_stream_flags_reaching_deepep, 2, env={"LOCAL_WORLD_SIZE": "2"}):
         assert len(calls) == 4, calls
         assert all(c == {"async": False, "alloc": False, "prev": None} for c in calls), calls
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_deepepv2_dispatch_preprocess_is_megatrons_stage_without_torch_compile(tp_size: int) -> None:
+    """deepepv2's dispatch_preprocess hands the manager the probabilities Megatron's own stage builds (replicated over
+    the TP ranks), and flattens the tokens the same way, but is not a torch.compile'd function (its guards and wrappers
+    cost more host time than its two views); other backends keep Megatron's compiled stage."""
+    import types
+
+    import megatron_deepepv2 as dv2
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    dv2.install()
+    ours = moe_layer.MoEFlexTokenDispatcher
+    received = {}
+
+    class Manager:  # records what the stage hands the manager
+        def setup_metadata(self, routing_map, probs):
+            received.update(routing_map=routing_map, probs=probs)
+            self.token_probs = probs.reshape(probs.shape[0], -1)
+
+    manager = Manager()
+    ep_size, local_experts, tokens = 2, 3, 5
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(moe_flex_dispatcher_backend="deepepv2"),
+                                 tp_size=tp_size, ep_size=ep_size, num_local_experts=local_experts, _comm_manager=manager)
+    probs = torch.rand(tokens, ep_size * local_experts)
+    routing_map = probs > 0.5
+    hidden = torch.randn(tokens, 1, 8)
+    flat, token_probs = ours.dispatch_preprocess(fake, hidden, routing_map, probs)
+    assert flat.shape == (tokens, 8) and flat.data_ptr() == hidden.data_ptr() and fake.hidden_shape == hidden.shape
+    _, expected = MoEFlexTokenDispatcher._initialize_metadata(fake, routing_map, probs)  # Megatron's own expansion
+    assert torch.equal(received["probs"].reshape(tokens, -1), expected.reshape(tokens, -1))
+    assert received["routing_map"] is routing_map and token_probs is manager.token_probs
+    # Any other backend still gets Megatron's stage.
+    other = ours.__new__(ours)
+    other.config = types.SimpleNamespace(moe_flex_dispatcher_backend="hybridep")
+    called = []
+    original = MoEFlexTokenDispatcher.dispatch_preprocess
+    try:
+        MoEFlexTokenDispatcher.dispatch_preprocess = lambda self, *args: called.append(args) or "megatron"
+        assert ours.dispatch_preprocess(other, hidden, routing_map, probs) == "megatron" and called
+    finally:
+        MoEFlexTokenDispatcher.dispatch_preprocess = original
+
+
+def test_deepepv2_dispatch_preprocess_is_not_compiled_where_megatrons_is() -> None:
+    """With torch.compile on (this test process turns it off), Megatron's flex stage is a compiled function and
+    deepepv2's is not."""
+    import subprocess
+    import sys
+
+    code = ("import megatron_deepepv2 as dv2; dv2.install(); "
+            "from megatron.core.transformer.moe import moe_layer, token_dispatcher as t; "
+            "compiled = lambda f: hasattr(f, '_torchdynamo_orig_callable'); "
+            "print('COMPILED', compiled(t.MoEFlexTokenDispatcher.dispatch_preprocess), "
+            "compiled(moe_layer.MoEFlexTokenDispatcher.dispatch_preprocess))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert "COMPILED True False" in done.stdout, done.stdout[-1000:] + done.stderr[-2000:]
