@@ -65,7 +65,7 @@ def test_a_wait_past_max_wait_fails_naming_the_holder(tmp_path) -> None:
                 pass
 
 
-# Tests of an inner pytest session with this suite's configuration (tests/conftest.py as a plugin): each holds a
+# Tests of an inner pytest run with this suite's configuration (tests/conftest.py as a plugin): each holds a
 # timeout of TIMEOUT seconds and waits HOLD > TIMEOUT seconds for a lock that another process holds.
 _CONTENDED = """
 import subprocess, sys, time
