@@ -862,7 +862,8 @@ class Installer:
         else:
             loaded = tuple(probe.get("nccl") or ())
             if loaded != version:
-                hint = f"pip install '{nccl['package']}=={version_text(version)}'" if nccl.get("package") else                     f"a PyTorch that loads NCCL {version_text(version)}"
+                hint = (f"pip install '{nccl['package']}=={version_text(version)}'" if nccl.get("package")
+                        else f"a PyTorch that loads NCCL {version_text(version)}")
                 raise InstallError("wheels", f"deep_ep was built against NCCL {version_text(version)}, which PyTorch "
                                    f"loaded there; here it loads {version_text(loaded)}: install {hint} first")
             mapped = probe.get("mapped") or [""]

@@ -618,3 +618,29 @@ def test_a_source_install_after_the_wheels_finds_nothing_to_build(tmp_path) -> N
         f.write("# patched\n")
     Installer(InstallOptions(deepep_src=str(copy), nccl_src=opts.nccl_src, work_dir=work), target.system()).run()
     assert [c for c in target.commands if c[-1] == str(copy)]
+
+
+def test_wheels_built_against_pytorchs_own_nccl_need_that_nccl_where_they_go(tmp_path) -> None:
+    """No NCCL wheel when PyTorch's NCCL was new enough: the target must load that same NCCL, or the step says which."""
+    global TORCH_NCCL
+    nvidia = tmp_path / "env" / "site" / "nvidia" / "nccl"
+    (nvidia / "lib").mkdir(parents=True)
+    (nvidia / "include").mkdir()
+    (nvidia / "include" / "nccl.h").touch()
+    (nvidia / "lib" / "libnccl.so.2").touch()
+    saved, TORCH_NCCL = TORCH_NCCL, str(nvidia / "lib" / "libnccl.so.2")
+    try:
+        machine = FakeMachine(str(tmp_path / "build"), prefix=str(tmp_path / "env"), torch_nccl=(2, 30, 7))
+        wheels = str(tmp_path / "wheels")
+        assert Installer(options(tmp_path, nccl_prefix=None, wheel_dir=wheels), machine.system()).run() == 0
+        manifest = json.loads(open(os.path.join(wheels, install_deepep.WHEEL_MANIFEST)).read())
+        assert manifest["nccl_wheel"] is None and manifest["nccl"] == {"kind": "torch", "version": [2, 30, 7]}
+        old = FakeMachine(str(tmp_path / "old"), prefix=str(tmp_path / "env2"))  # PyTorch loads NCCL 2.28.9
+        with pytest.raises(InstallError, match=r"step 'wheels' failed: deep_ep was built against NCCL 2.30.7, which "
+                                               r"PyTorch loaded there; here it loads 2.28.9: install a PyTorch that"):
+            Installer(InstallOptions(from_wheels=wheels, work_dir=str(tmp_path / "w")), old.system()).run()
+        same = FakeMachine(str(tmp_path / "same"), prefix=str(tmp_path / "env3"), torch_nccl=(2, 30, 7))
+        assert Installer(InstallOptions(from_wheels=wheels, work_dir=str(tmp_path / "w3")), same.system()).run() == 0
+        assert same.installed_wheels == [manifest["deep_ep_wheel"]]
+    finally:
+        TORCH_NCCL = saved
