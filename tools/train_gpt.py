@@ -203,7 +203,7 @@ def summarise(run: dict, skip: int) -> dict:
     tokens = run["header"].get("tokens_per_step")
     return {"label": run["label"], "steps": len(steps), "first_iteration": steps[0]["iteration"] if steps else None,
             "last_iteration": steps[-1]["iteration"] if steps else None,
-            "median_step_ms": None if step_s is None else step_s * 1e3,
+            "median_step_ms": None if step_s is None else step_s * 1e3, "tokens_per_step": tokens,
             "tokens_per_s": None if not step_s or not tokens else tokens / step_s,
             "first_loss": steps[0]["losses"].get("lm loss") if steps else None,
             "last_loss": steps[-1]["losses"].get("lm loss") if steps else None,
@@ -245,7 +245,7 @@ def configurations(summaries: Sequence[dict]) -> dict:
         if not each:
             continue
         median = statistics.median(each)
-        tokens = next((r["tokens_per_s"] * r["median_step_ms"] / 1e3 for r in runs if r["tokens_per_s"]), None)
+        tokens = runs[0]["tokens_per_step"]
         out[label] = {"runs": [r["run"] for r in runs], "median_step_ms_each": each, "median_step_ms": median,
                       "spread_pct": (max(each) - min(each)) / median * 100,
                       "tokens_per_s": tokens / (median / 1e3) if tokens else None}
