@@ -43,7 +43,8 @@ class BufferSpec:
     Attributes:
         hidden: Hidden size ``H`` of the dispatched tokens.
         num_topk: Number of experts each token selects (``K``).
-        use_fp8: Whether dispatch carries FP8 tokens with scales (sizes the buffer only).
+        use_fp8: Whether dispatch carries FP8 tokens with scales (a key only: every buffer is sized for BF16 rows,
+            which combine's backward sends, see :mod:`megatron_deepepv2.sizing`).
         num_max_tokens_per_rank: Upper bound of tokens any rank dispatches in one call, the same on every rank
             (DeepEP sizes the buffer and JIT-compiles its kernels for it).
         deterministic: Whether received rows must come out in a run-to-run stable order.

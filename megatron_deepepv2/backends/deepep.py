@@ -51,6 +51,7 @@ from megatron_deepepv2.deepep_lines import (  # noqa: F401 - import_deep_ep: the
     line_of_module,
 )
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up
+from megatron_deepepv2.sizing import buffer_size_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +158,8 @@ class DeepEPBackend(DispatchBackend):
         buffer_class = getattr(deep_ep, self.line_calls.line.buffer_class)
         self.buffer = buffer_class(
             group,
-            num_max_tokens_per_rank=spec.num_max_tokens_per_rank,
-            hidden=spec.hidden,
-            num_topk=spec.num_topk,
-            use_fp8_dispatch=spec.use_fp8,
+            # Sized for BF16 whatever spec.use_fp8 says: combine's backward sends BF16 rows through this buffer.
+            **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
             deterministic=spec.deterministic,
             allow_hybrid_mode=allow_hybrid,
             allow_multiple_reduction=True,  # expand combine with weights needs it
