@@ -705,6 +705,57 @@ def fp8_dispatch_matches_reference() -> None:
     dv2.destroy_buffers()
 
 
+@case
+def fp8_layer_buffer_fits_combine_backward() -> None:
+    """FP8 dispatch at DeepSeek-V3's shape (H 7168, top-8 of 64 experts) with 32,768 rows per rank in the group: the
+    forward sends FP8 rows, combine's backward sends BF16 ones through the same buffer, so a buffer sized for FP8
+    rows fails that cached dispatch (DeepEP asserts the size on every call). Forward and backward complete and equal
+    the reference backend's; at EP=1 the output also equals a dense computation."""
+    from megatron_deepepv2 import fp8
+
+    world, hidden, experts, topk = dist.get_world_size(), 7168, 64, 8
+    tokens = 32768 // world
+    x, idx, w = make_routing(tokens, hidden, experts, topk, seed=71 + RANK, drop=0.0)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(5 + RANK)).to(torch.bfloat16).cuda()
+    results = {}
+    for backend in ("deepep", "reference"):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = dv2.dispatch(xg, idx, wg, experts, layout="expand", backend=backend, num_max_tokens_per_rank=tokens,
+                           fp8_dispatch=True)
+        combined = dv2.combine(out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype), out.handle)
+        combined.backward(grad)
+        torch.cuda.synchronize()
+        results[backend] = (combined.detach(), xg.grad, wg.grad)
+        del out, combined
+    for name, a, b in zip(("output", "grad_x", "grad_probs"), results["deepep"], results["reference"]):
+        exact(f"fp8 H{hidden} T{tokens} {name}", a, b)
+    if world == 1:  # every selection is local: out[t] = sum_k w[t, k] * dequant(quant(x[t]))
+        rows = fp8.dequantize_e4m3_1x128_torch(*fp8.quantize_e4m3_1x128_torch(x))
+        weights = w.masked_fill(idx < 0, 0).to(torch.bfloat16)  # token 0 selects no expert
+        dense = (rows.unsqueeze(1) * weights.unsqueeze(2)).float().sum(dim=1).to(torch.bfloat16)
+        torch.testing.assert_close(results["deepep"][0], dense, rtol=2e-2, atol=2e-2)
+    dv2.destroy_buffers()
+
+
+@case
+def sizing_model_matches_deepep() -> None:
+    """The package's model of DeepEP's buffer arithmetic gives the size DeepEP itself computes for the group, in
+    direct mode, BF16 and FP8, over several shapes (megatron_deepepv2.sizing is what the CPU tests check every
+    shape and group size with)."""
+    from deep_ep import ElasticBuffer
+
+    from megatron_deepepv2.sizing import Topology, calculated_buffer_bytes
+
+    group, world = dist.group.WORLD, dist.get_world_size()
+    topology = Topology(1, world, True)  # one node, direct mode
+    for tokens, hidden, topk in ((4096, 7168, 8), (32768, 7168, 8), (8192, 2048, 8), (4096, 4096, 2),
+                                 (1024, 2880, 4), (333, 1024, 32), (16384, 4096, 0)):
+        for use_fp8 in (False, True):
+            deepep = ElasticBuffer.get_buffer_size_hint(group, tokens, hidden, topk, use_fp8, allow_hybrid_mode=False)
+            model = calculated_buffer_bytes(tokens, hidden, topk, use_fp8, topology)
+            assert deepep == model, f"T{tokens} H{hidden} K{topk} fp8={use_fp8}: DeepEP {deepep} B, model {model} B"
+
+
 def main() -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
