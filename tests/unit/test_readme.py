@@ -13,11 +13,16 @@ A block is preceded by ``<!-- readme-test: KIND -->``:
   ``MEGATRON_DEEPEPV2_README_TREES``, the launch from the Megatron-LM tree in ``MEGATRON_LM``; skipped with the reason
   otherwise.
 
-Relative links of the README and of ``docs/`` must name files that exist.
+Relative links of the README and of ``docs/`` must name files that exist. What the README names must exist too: its
+``MEGATRON_DEEPEPV2_*`` variables are settings' (or read elsewhere), its repository paths and ``python -m`` modules
+exist, the Megatron flags of "Not yet run / not supported" are Megatron's, and each message it quotes (``"..."`` in
+backticks) is a string of the package.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 import shlex
@@ -218,3 +223,54 @@ def test_relative_links_name_files_that_exist(page: str) -> None:
     path = ROOT / page if page == "README.md" else ROOT / "docs" / page
     missing = [m["target"] for m in _LINK.finditer(path.read_text()) if not (path.parent / m["target"]).exists()]
     assert not missing, f"{page} links to missing files: {missing}"
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under ``## heading`` up to the next ``## `` heading."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def _package_strings() -> list[str]:
+    """Every string constant of the package's modules (adjacent literals joined, f-strings' literal parts)."""
+    found = []
+    for path in sorted((ROOT / "megatron_deepepv2").rglob("*.py")):
+        found.extend(node.value for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str))
+    return found
+
+
+def test_readme_names_settings_paths_and_modules_that_exist() -> None:
+    from megatron_deepepv2.config import OTHER_VARIABLES, setting_variables
+
+    text = README.read_text()
+    variables = set(re.findall(r"MEGATRON_DEEPEPV2_[A-Z0-9_]*[A-Z0-9]", text))
+    assert not variables - set(setting_variables()) - set(OTHER_VARIABLES), variables
+    paths = set(re.findall(r"`((?:tools|tests|docs|examples|megatron_deepepv2)/[^`\s]*)", text))
+    assert paths and not [path for path in paths if not (ROOT / path).exists()], paths
+    modules = set(re.findall(r"python -m (megatron_deepepv2(?:\.\w+)*)", text))
+    assert "megatron_deepepv2.doctor" in modules
+    assert not [name for name in modules if importlib.util.find_spec(name) is None], modules
+
+
+def test_readme_quotes_messages_the_package_has() -> None:
+    quoted = re.findall(r'`"([^"`]+)"`', README.read_text())
+    assert len(quoted) >= 10, quoted  # the refused combinations and the troubleshooting lines
+    strings = _package_strings()
+    missing = [message for message in quoted if not any(message in string for string in strings)]
+    assert not missing, f"the README quotes messages no module of the package has: {missing}"
+
+
+def test_not_yet_run_section_names_megatron_flags_that_exist() -> None:
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    section = _section(README.read_text(), "Not yet run / not supported")
+    flags = set(re.findall(r"`(--[a-z0-9-]+)", section))
+    assert "--moe-pad-expert-input-to-capacity" in flags, flags
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    unknown = sorted(flags - set(parser._option_string_actions))
+    assert not unknown, f"the README names flags Megatron does not have: {unknown}"
