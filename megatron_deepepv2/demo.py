@@ -10,7 +10,8 @@ logs loss and tokens/s; the end says whether the two loss trajectories match.
   (a fresh interpreter per process would import it itself, seconds of CPU each).
 * GPUs: one NCCL process per GPU (two by default; one on a 1-GPU machine, where the expert-parallel group has a
   single rank, EP=1), BF16, hidden 256, the ElasticBuffer backend when DeepEP v2 is usable, else the reference
-  backend over NCCL (``--backend`` overrides).
+  backend over NCCL (``--backend`` overrides). On a node without an RDMA NIC the GPU ranks get ``EP_DISABLE_GIN=1``
+  unless it is set (:func:`megatron_deepepv2.doctor.disable_gin_without_rdma`).
 
 ``--fp8-dispatch`` trains the deepepv2 layer twice instead, with BF16 and with FP8 dispatch (both in BF16; hidden 128
 on CPU), and reports the largest loss gap and the quantisation error of the rows the experts receive.
@@ -221,7 +222,13 @@ def main(argv=None) -> int:
 
     from megatron_deepepv2.backends import resolve_backend  # noqa: PLC0415
 
+    if not logging.getLogger().handlers:  # this process's lines: the backend choice, EP_DISABLE_GIN
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     on_gpu = 0 < config.nproc <= gpus
+    if on_gpu:  # the GPU ranks (spawned below, they inherit it) build ElasticBuffers
+        from megatron_deepepv2.doctor import disable_gin_without_rdma  # noqa: PLC0415
+
+        disable_gin_without_rdma()
     config.backend = resolve_backend(args.backend if on_gpu else "reference").name
     if on_gpu or config.fp8_dispatch:
         config.tolerance = 5e-2  # BF16 activations (dispatch orders differ between the two paths), or FP8 rows

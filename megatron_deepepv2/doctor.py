@@ -11,6 +11,9 @@ environment.
 
 Exit status: 1 when a blocking problem (``fail``) was found, else 0. Every probe of the system goes through
 :class:`Probes`, so tests inject facts instead of needing a GPU.
+
+The launchers (``python -m megatron_deepepv2.run``, the demo) ask the same RDMA probe through
+:func:`disable_gin_without_rdma`, which sets ``EP_DISABLE_GIN=1`` on a node without an RDMA NIC.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import logging
 import os
 import shutil
 import re
@@ -26,13 +30,17 @@ import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, MutableMapping, Optional
 
 from megatron_deepepv2.deepep_lines import DEEPEP_2_1, LINES, DeepEPLine, Version, parse_version, version_text
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 MULTICAST_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: DeepEP's switch: 1 builds its buffers without NCCL GIN (read when a buffer is built, by every rank).
+GIN_VARIABLE = "EP_DISABLE_GIN"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,6 +193,38 @@ def _default_driver_cuda() -> Optional[Version]:
     return code.value // 1000, (code.value % 1000) // 10
 
 
+def find_rdma_devices() -> list[str]:
+    """This node's RDMA devices (``/sys/class/infiniband/*``), which NCCL GIN needs; empty without an RDMA NIC."""
+    return sorted(glob.glob("/sys/class/infiniband/*"))
+
+
+def disable_gin_without_rdma(environ: Optional[MutableMapping[str, str]] = None,
+                             rdma_devices: Optional[Callable[[], list[str]]] = None) -> bool:
+    """Sets ``EP_DISABLE_GIN=1`` on a node without an RDMA NIC, unless the variable is set already.
+
+    DeepEP's buffer constructor asserts "NCCL GIN is unavailable" on such a node unless the variable is 1; it reads
+    the variable when a buffer is built, so a launcher calls this before it runs the training code, and the processes
+    that code starts inherit the value. A value the user set (either one) is left as it is, and so is a node with an
+    RDMA NIC. Logs one INFO line when it sets the variable.
+
+    Args:
+        environ: The environment to change (default: ``os.environ``, which child processes inherit).
+        rdma_devices: The RDMA probe (default: :func:`find_rdma_devices`, the doctor's ``gin`` check's probe).
+
+    Returns:
+        True when it set the variable.
+    """
+    environ = os.environ if environ is None else environ
+    if GIN_VARIABLE in environ:
+        return False
+    if (rdma_devices or find_rdma_devices)():
+        return False
+    environ[GIN_VARIABLE] = "1"
+    logger.info("No RDMA NIC on this node: set %s=1, so DeepEP builds its buffers without NCCL GIN (one node, "
+                "NVLink). Set %s yourself to choose otherwise.", GIN_VARIABLE, GIN_VARIABLE)
+    return True
+
+
 def _writable_dir(path: str) -> bool:
     probe = path
     while not os.path.exists(probe):
@@ -211,7 +251,7 @@ class Probes:
     driver_cuda: Callable[[], Optional[Version]] = _default_driver_cuda
     writable_dir: Callable[[str], bool] = _writable_dir
     nvlink: Callable[[], Optional[bool]] = _default_nvlink
-    rdma_devices: Callable[[], list[str]] = lambda: sorted(glob.glob("/sys/class/infiniband/*"))
+    rdma_devices: Callable[[], list[str]] = find_rdma_devices
 
 
 def _check_deep_ep(p: Probes, deep_ep: dict[str, Any], add: Callable[[Finding], None]) -> Optional[DeepEPLine]:
@@ -350,7 +390,7 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
                 {True: "NVLink between GPUs", False: "no NVLink between GPUs", None: "nvidia-smi unavailable"}[nvlink],
                 "" if nvlink else "DeepEP's intranode path expects NVLink; PCIe-only GPUs are not supported."))
     rdma = p.rdma_devices()
-    gin_disabled = env.get("EP_DISABLE_GIN") == "1"
+    gin_disabled = env.get(GIN_VARIABLE) == "1"
     if rdma:
         add(Finding("gin", OK, f"RDMA devices: {', '.join(os.path.basename(d) for d in rdma)}"))
     else:

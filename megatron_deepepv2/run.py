@@ -8,6 +8,10 @@ Works under ``torchrun`` too::
         --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepepv2
 
 ``-m MODULE`` runs a module instead of a script.
+
+On a node without an RDMA NIC it sets ``EP_DISABLE_GIN=1`` before the target runs, unless the variable is set
+already (:func:`megatron_deepepv2.doctor.disable_gin_without_rdma`, one INFO line): DeepEP's buffer otherwise asserts
+"NCCL GIN is unavailable". Processes the target starts inherit it.
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import megatron_deepepv2  # noqa: PLC0415
+    from megatron_deepepv2.doctor import disable_gin_without_rdma  # noqa: PLC0415
 
+    # Before the target runs: DeepEP reads EP_DISABLE_GIN when the target builds a buffer.
+    disable_gin_without_rdma()
     megatron_deepepv2.install()
     if run_module:
         sys.argv = [target, *argv[2:]]

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 
 import pytest
 
-from megatron_deepepv2.doctor import FAIL, OK, Probes, elf_needed_libraries, main, run_checks
+from megatron_deepepv2.doctor import (
+    FAIL,
+    OK,
+    Probes,
+    disable_gin_without_rdma,
+    elf_needed_libraries,
+    find_rdma_devices,
+    main,
+    run_checks,
+)
 
 HEALTHY_ENV = {"EP_DISABLE_GIN": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                "NVSHMEM_DISABLE_NVLS": "1", "HOME": "/root", "PATH": "/usr/bin"}
@@ -134,3 +144,43 @@ def test_one_gpu_is_a_supported_configuration_and_says_what_it_cannot_show() -> 
     one_gpu = next(f for f in findings if f.check == "gpu-count")
     assert one_gpu.status == OK and "EP=1" in one_gpu.detail and "NVLink" in one_gpu.detail
     assert all(f.status == OK for f in findings if f.check != "torchrun"), [f for f in findings if f.status != OK]
+
+
+NIC = ["/sys/class/infiniband/mlx5_0"]
+
+
+def _gin_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "megatron_deepepv2.doctor" and "EP_DISABLE_GIN=1" in r.getMessage()]
+
+
+@pytest.mark.parametrize("environ,nics,expected", [
+    ({}, [], "1"),  # no NIC, unset: set, once
+    ({}, NIC, None),  # a NIC: GIN stays on
+    ({"EP_DISABLE_GIN": "0"}, [], "0"),  # the user's value, either one, stays
+    ({"EP_DISABLE_GIN": "1"}, [], "1"),
+    ({"EP_DISABLE_GIN": "0"}, NIC, "0"),
+])
+def test_launchers_disable_gin_only_on_a_node_without_an_rdma_nic(caplog: pytest.LogCaptureFixture, environ: dict,
+                                                                   nics: list, expected) -> None:
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.doctor")
+    env = dict(environ)
+    set_here = "EP_DISABLE_GIN" not in environ and not nics
+    for _ in range(2):  # a second call (a launcher inside a launcher) changes nothing and says nothing
+        disable_gin_without_rdma(env, lambda: nics)
+        assert env.get("EP_DISABLE_GIN") == expected
+    lines = _gin_lines(caplog)
+    assert len(lines) == (1 if set_here else 0) and all(r.levelno == logging.INFO for r in lines), lines
+    if set_here:  # what the launcher leaves is what the doctor's gin check asks for
+        without = {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}
+        assert status(run_checks(healthy(env={**without, **env})), "gin") == OK
+
+
+def test_the_launchers_and_the_doctor_ask_one_rdma_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_deepepv2 import doctor
+
+    assert Probes().rdma_devices is find_rdma_devices
+    monkeypatch.setattr(doctor, "find_rdma_devices", lambda: NIC)  # the default probe is looked up at each call
+    env: dict = {}
+    assert disable_gin_without_rdma(env) is False and env == {}
+    monkeypatch.setattr(doctor, "find_rdma_devices", lambda: [])
+    assert disable_gin_without_rdma(env) is True and env == {"EP_DISABLE_GIN": "1"}

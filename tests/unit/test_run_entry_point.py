@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -89,3 +90,51 @@ def test_example_deepseek_v3_router_model_parses_and_validates(tmp_path: Path) -
     done = subprocess.run(["bash", str(root / "examples" / "pretrain_gpt_moe_deepepv2.sh"), str(tree), "1"],
                           capture_output=True, text=True, timeout=60, env={**env, "MODEL": "mixtral"}, cwd=root)
     assert done.returncode == 2 and "MODEL=mixtral: use gpt-moe or deepseek-v3-router" in done.stderr
+
+
+GIN_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import subprocess
+    import sys
+
+    code = "import os; print(os.environ.get('EP_DISABLE_GIN'))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    with open(sys.argv[1], "w") as f:
+        f.write(repr((os.environ.get("EP_DISABLE_GIN"), child)))
+    """
+)
+
+
+@pytest.mark.parametrize("user_value,nics,expected", [
+    (None, [], "1"),  # no RDMA NIC: set before the script runs, inherited by what it starts
+    (None, ["/sys/class/infiniband/mlx5_0"], None),  # a NIC: left unset
+    ("0", [], "0"),  # the user's value stays
+])
+def test_run_sets_ep_disable_gin_without_an_rdma_nic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture, user_value, nics,
+                                                     expected) -> None:
+    """The entry point, in this process with a faked NIC probe (``install()`` is a no-op here: the tests above run
+    it): the script and a process it starts see the expected ``EP_DISABLE_GIN``; one INFO line says when it was set."""
+    import megatron_deepepv2
+    from megatron_deepepv2 import doctor
+    from megatron_deepepv2.run import main
+
+    monkeypatch.setattr(doctor, "find_rdma_devices", lambda: nics)
+    monkeypatch.setattr(megatron_deepepv2, "install", lambda: None)
+    monkeypatch.setenv("EP_DISABLE_GIN", "placeholder")  # recorded first, so teardown undoes what main sets
+    if user_value is None:
+        monkeypatch.delenv("EP_DISABLE_GIN")
+    else:
+        monkeypatch.setenv("EP_DISABLE_GIN", user_value)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.doctor")
+    script, seen = tmp_path / "train.py", tmp_path / "seen"
+    script.write_text(GIN_SCRIPT)
+
+    assert main([str(script), str(seen)]) == 0
+    assert seen.read_text() == repr((expected, str(expected)))
+    lines = [r for r in caplog.records if "EP_DISABLE_GIN=1" in r.getMessage()]
+    assert len(lines) == (1 if expected == "1" and user_value is None else 0), lines
+    assert all(r.levelno == logging.INFO for r in lines)
