@@ -5,13 +5,17 @@ tests change settings with :func:`configure` or, temporarily, :func:`settings_ov
 
 Each field of :class:`DeepepV2Settings` is also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in
 capitals (``MEGATRON_DEEPEPV2_LAYOUT=compact``, ``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``; ``MAX_TOKENS_PER_RANK`` too names
-``num_max_tokens_per_rank``), parsed by the field's type; the class's docstring is the one list of them.
+``num_max_tokens_per_rank``), parsed by the field's type; the class's docstring is the one list of them. A
+``MEGATRON_DEEPEPV2_*`` variable that no setting reads (a misspelling, a removed setting) gets one WARNING naming the
+closest setting's variable when the environment is read; :data:`OTHER_VARIABLES` lists the ones read elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import logging
 import os
 from dataclasses import dataclass
 import typing
@@ -32,8 +36,17 @@ MANAGERS = ("plugin", "native")
 EXPERTS = ("spec", "sync_free")
 
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
+#: The other name of ``num_max_tokens_per_rank``'s variable (read when ``MEGATRON_DEEPEPV2_NUM_MAX_TOKENS_PER_RANK``
+#: is unset).
+_ALIASES = {_ENV_PREFIX + "MAX_TOKENS_PER_RANK": "num_max_tokens_per_rank"}
+#: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
+#: about: the test suite's Megatron-LM tree with a native deepepv2 (tests/unit/test_native_megatron.py) and the DeepEP
+#: and NCCL trees of the README's GPU test (tests/unit/test_readme.py).
+OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,7 +142,9 @@ class DeepepV2Settings:
             environ: Mapping to read instead of ``os.environ``.
 
         Returns:
-            Settings with every variable that is set applied over the defaults.
+            Settings with every variable that is set applied over the defaults. Each ``MEGATRON_DEEPEPV2_*``
+            variable of ``environ`` that no setting reads and :data:`OTHER_VARIABLES` does not list is logged as
+            one WARNING naming the closest setting's variable.
 
         Raises:
             ValueError: If a variable holds a value its field cannot take.
@@ -139,11 +154,32 @@ class DeepepV2Settings:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = environ.get(_ENV_PREFIX + f.name.upper())
-            if raw is None and f.name == "num_max_tokens_per_rank":
-                raw = environ.get(_ENV_PREFIX + "MAX_TOKENS_PER_RANK")
+            if raw is None:
+                raw = next((environ[alias] for alias, name in _ALIASES.items() if name == f.name and alias in environ),
+                           None)
             if raw is not None:
                 values[f.name] = _parse_env_value(_ENV_PREFIX + f.name.upper(), raw, types[f.name])
+        _warn_unread_variables(environ)
         return cls(**values)
+
+
+def setting_variables() -> list[str]:
+    """The environment variables :meth:`DeepepV2Settings.from_env` reads, one per field, then the aliases."""
+    return [_ENV_PREFIX + f.name.upper() for f in dataclasses.fields(DeepepV2Settings)] + list(_ALIASES)
+
+
+def _warn_unread_variables(environ: typing.Mapping[str, str]) -> None:
+    """Logs one WARNING for each ``MEGATRON_DEEPEPV2_*`` variable of ``environ`` that nothing reads."""
+    known = setting_variables()
+    for variable in sorted(environ):
+        if not variable.startswith(_ENV_PREFIX) or variable in known or variable in OTHER_VARIABLES:
+            continue
+        # Compared without the common prefix, which would make every pair look alike.
+        closest = difflib.get_close_matches(variable[len(_ENV_PREFIX):], [k[len(_ENV_PREFIX):] for k in known], n=1,
+                                            cutoff=0.0)
+        logger.warning("%s is set, but no megatron_deepepv2 setting reads it, so it has no effect; the closest "
+                       "setting's variable is %s%s (docs/usage.md lists the settings).", variable, _ENV_PREFIX,
+                       closest[0])
 
 
 def _parse_env_value(variable: str, raw: str, kind: Any) -> Any:

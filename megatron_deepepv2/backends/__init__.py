@@ -6,13 +6,17 @@ Backends register here by name; nothing else in the package branches on backend 
 * ``reference`` -- :class:`~megatron_deepepv2.backends.reference.ReferenceBackend` over
   ``torch.distributed`` (gloo or NCCL).
 * ``auto`` -- ``deepep`` when it is usable (DeepEP v2 importable, CUDA), else ``reference``; the choice
-  is logged once. An explicit name never falls back: if that backend cannot run, an ImportError says why.
+  is logged once: as a WARNING when it falls back to ``reference`` on a machine with a GPU (the run works, on the
+  slower portable path), else as INFO. An explicit name never falls back: if that backend cannot run, an ImportError
+  says why.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Optional
+
+import torch
 
 from megatron_deepepv2.backends.base import (
     SYNC,
@@ -75,7 +79,10 @@ def resolve_backend(name: str) -> type[DispatchBackend]:
         chosen = DeepEPBackend if deepep_problem is None else ReferenceBackend
         if _auto_choice_logged != chosen.name:
             reason = "" if deepep_problem is None else f" (deepep unavailable: {deepep_problem})"
-            logger.info("deepepv2 backend 'auto' resolved to %r%s", chosen.name, reason)
+            # A GPU without a usable DeepEP: the portable backend runs, which is rarely what a GPU run wants.
+            fell_back_on_gpu = deepep_problem is not None and torch.cuda.is_available()
+            logger.log(logging.WARNING if fell_back_on_gpu else logging.INFO,
+                       "deepepv2 backend 'auto' resolved to %r%s", chosen.name, reason)
             _auto_choice_logged = chosen.name
         return chosen
     if key not in _REGISTRY:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
+import torch
 
 import megatron_deepepv2 as dv2
+from megatron_deepepv2 import backends
 from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend, register_backend, resolve_backend
 from megatron_deepepv2.backends.deepep import import_deep_ep
-from megatron_deepepv2.config import DeepepV2Settings
+from megatron_deepepv2.config import OTHER_VARIABLES, DeepepV2Settings, setting_variables
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = "MEGATRON_DEEPEPV2_"  # misspelt names below are built from it, so the repository names none of them
 
 
 def test_auto_resolves_to_deepep_when_usable_else_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,3 +160,64 @@ def test_import_deep_ep_accepts_both_deepep_v2_lines(monkeypatch: pytest.MonkeyP
     setattr(module, buffer, object)
     monkeypatch.setitem(sys.modules, "deep_ep", module)
     assert import_deep_ep() is module
+
+
+@pytest.mark.parametrize("deepep_problem,gpu,chosen,level", [
+    ("no deep_ep here", True, ReferenceBackend, logging.WARNING),  # a GPU run on the portable backend
+    ("no deep_ep here", False, ReferenceBackend, logging.INFO),  # a CPU machine: reference is the only choice
+    (None, True, DeepEPBackend, logging.INFO),
+])
+def test_auto_warns_when_it_falls_back_to_reference_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture,
+                                                                     deepep_problem, gpu, chosen, level) -> None:
+    monkeypatch.setattr(backends, "_auto_choice_logged", None)
+    monkeypatch.setattr(DeepEPBackend, "unavailable_reason", classmethod(lambda cls: deepep_problem))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.backends")
+    assert resolve_backend("auto") is chosen
+    assert resolve_backend("auto") is chosen  # logged once
+    records = [r for r in caplog.records if "deepepv2 backend 'auto' resolved to" in r.getMessage()]
+    assert [(r.levelno, f"resolved to {chosen.name!r}" in r.getMessage()) for r in records] == [(level, True)]
+    assert deepep_problem is None or deepep_problem in records[0].getMessage()
+
+
+def test_an_unread_variable_gets_one_warning_naming_the_closest_setting(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.config")
+    environ = {
+        PREFIX + "NO_HOSTSYNC": "1",  # misspelt: no effect, one warning
+        PREFIX + "FP8_DISPATCH": "1",
+        PREFIX + "MAX_TOKENS_PER_RANK": "512",  # the capacity's second name
+        **{name: "/somewhere" for name in OTHER_VARIABLES},  # read by the test suite, not by a setting
+        "EP_DISABLE_GIN": "1",
+    }
+    assert DeepepV2Settings.from_env(environ) == DeepepV2Settings(fp8_dispatch=True, num_max_tokens_per_rank=512)
+    records = [r for r in caplog.records if r.name == "megatron_deepepv2.config"]
+    assert [r.levelno for r in records] == [logging.WARNING], [r.getMessage() for r in records]
+    message = records[0].getMessage()
+    assert message.startswith(PREFIX + "NO_HOSTSYNC is set, but no megatron_deepepv2 setting reads it"), message
+    assert f"the closest setting's variable is {PREFIX}NO_HOST_SYNC " in message, message
+
+
+@pytest.mark.parametrize("suffix,closest", [("EXPERT", "EXPERTS"), ("NUMSMS", "NUM_SMS"), ("DETERMINISM", "DETERMINISTIC"),
+                                            ("VALIDATION", "VALIDATE")])
+def test_the_warning_names_the_closest_setting(caplog: pytest.LogCaptureFixture, suffix: str, closest: str) -> None:
+    caplog.set_level(logging.WARNING, logger="megatron_deepepv2.config")
+    DeepepV2Settings.from_env({PREFIX + suffix: "1"})
+    (record,) = [r for r in caplog.records if r.name == "megatron_deepepv2.config"]
+    assert f"closest setting's variable is {PREFIX}{closest} " in record.getMessage()
+
+
+def test_every_variable_the_repository_names_is_read_by_something() -> None:
+    """Each ``MEGATRON_DEEPEPV2_*`` name in the repository's files (code, tests, tools, docs) is a setting's variable
+    or one of ``OTHER_VARIABLES``, so none of them draws the unread-variable warning."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    names = set()
+    for relative in filter(None, listed.stdout.split("\0")):
+        path = ROOT / relative
+        if path.is_file() and path.suffix in (".py", ".md", ".sh", ".json", ".toml", ".yml", ".yaml", ""):
+            names.update(re.findall(PREFIX + r"[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    assert {PREFIX + "BACKEND", PREFIX + "EXPERTS", PREFIX + "README_TREES"} <= names  # the scan sees them
+    unread = sorted(names - set(setting_variables()) - set(OTHER_VARIABLES))
+    assert not unread, f"named in the repository but read by no setting and not in config.OTHER_VARIABLES: {unread}"
