@@ -7,17 +7,21 @@ on the shape key, so ranks whose keys differ raise naming each other's instead o
 
 **Lifetime.** A handle refers to the buffer that made it, and a micro-batch's autograd graph keeps its handle until
 its backward (several are in flight under pipeline schedules, EP overlap, variable-length batches). A rebuild
-therefore *retires* the old buffer (its handles still work; bound dispatchers see the flag and lease the new one),
-and a later build on the group destroys it once every rank agrees, in that build's all-reduce, that no handle uses
-it -- or :func:`destroy_buffers` at shutdown. Nothing runs per call for it: capacity only grows, so the retired
-buffers together are smaller than the current one.
+therefore *retires* the old buffer (its handles still work; bound dispatchers see the flag and lease the new one).
+A retired buffer is destroyed by the first :func:`release_retired_buffers` -- called once per training step on every
+rank, after the step's backward passes -- or build on its group at which every rank agrees, in one small all-reduce,
+that no handle uses it; :func:`destroy_buffers` destroys everything at shutdown. Nothing runs per call for it, and
+nothing at all while no buffer is retired.
 
 **Capacity** (``num_max_tokens_per_rank``, the same on every rank: a DeepEP JIT constant and layout parameter) is
 taken as configured (it sizes the worst-case outputs without host sync), else from the largest first batch over the
-ranks, rounded up to a power of two. A batch above it grows it collectively to the maximum over the ranks, which
-needs the ranks to exceed together (Megatron's equal per-rank token counts do): a rank that grows alone waits for the
-others at the rendezvous store (no collective) for ``growth_timeout_s``, then raises naming the cause, and they fail
-naming it. Where one rank alone can exceed, configure the true maximum or turn on ``validate`` (its per-call
+ranks, rounded up to a power of two. A batch above it grows it collectively to the maximum over the ranks (rounded
+up again), which needs the ranks to exceed together (Megatron's equal per-rank token counts do). A rank cannot grow
+alone: its peers, whose batches fit, are already communicating through the old buffer (inside DeepEP's kernel), and
+only a per-call collective could tell them beforehand. Such a rank waits for them at the rendezvous store and leaves
+why there (:func:`~megatron_deepepv2._dist.begin_build`); over gloo the peers see it within milliseconds, over NCCL
+when DeepEP's timeout surfaces, and every rank raises naming that rank and its token count (``growth_timeout_s``
+bounds the wait). Where one rank alone can exceed, configure the true maximum or turn on ``validate`` (its per-call
 all-reduce shares the counts, so the ranks grow in lock-step).
 """
 
@@ -31,7 +35,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import all_reduce_max, announce_failure, next_power_of_two, rendezvous
+from megatron_deepepv2._dist import (
+    PeerFailure,
+    all_reduce_max,
+    announce_failure,
+    begin_build,
+    next_power_of_two,
+    rendezvous,
+)
 from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
 from megatron_deepepv2.validation import raise_on_every_rank
 
@@ -86,8 +97,6 @@ class _HandleRecords:
 #: Handle records of each buffer.
 _handles: dict[DispatchBackend, _HandleRecords] = {}
 _stats = BufferStats()
-#: Builds per group so far: names each build's rendezvous point, the same on every rank.
-_builds: dict[dist.ProcessGroup, int] = {}
 
 
 def _is_capturing() -> bool:
@@ -116,7 +125,9 @@ def get_buffer(
 
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
-        ValueError: If the other ranks did not come to the build in time, or build with another shape key.
+        ValueError: If the other ranks did not come to the build (in ``growth_timeout_s``, or they stopped waiting
+            for this rank in their own communication), or build with another shape key.
+        PeerFailure: A peer failed in this call (see :func:`~megatron_deepepv2._dist.peer_failure`).
     """
     key = (backend_cls.name, group, replace(spec, num_max_tokens_per_rank=0))
     current = _buffers.get(key)
@@ -136,21 +147,32 @@ def get_buffer(
                                                       if name == backend_cls.name and g is group])
     # Builds are collective: first make sure every rank is here, through the store, so that a rank that exceeds the
     # capacity alone fails with the reason instead of waiting in an all-reduce the others never join.
-    _builds[group] = _builds.get(group, 0) + 1
-    if not rendezvous(group, f"build-{_builds[group]}", growth_timeout_s):
-        if current is None:
-            problem = ValueError(
-                f"The other ranks of the expert-parallel group did not come to build the {backend_cls.name} "
-                f"communication buffer within {growth_timeout_s:g} s (this rank's first dispatch with this shape): "
-                "a rank stopped before its first dispatch, or dispatches another shape (hidden size, top-k, FP8).")
-        else:
-            problem = ValueError(
-                f"This rank dispatches {num_tokens} tokens, more than the buffer's token capacity "
-                f"{current.spec.num_max_tokens_per_rank}, but the other ranks of the expert-parallel group did not "
-                f"come to grow it within {growth_timeout_s:g} s: their batches fit. The capacity grows only when the "
-                "ranks exceed it together. Set num_max_tokens_per_rank (MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to the "
-                "largest per-rank token count, or turn on MEGATRON_DEEPEPV2_VALIDATE=1 (the ranks then grow in "
-                "lock-step).")
+    if current is None:
+        reason = (f"builds its first {backend_cls.name} buffer for hidden size {spec.hidden}, top-k {spec.num_topk}"
+                  f"{', FP8' if spec.use_fp8 else ''}")
+        why_not, fix = "they dispatch shapes they have a buffer for, or stopped before", ""
+    else:
+        reason = (f"dispatches {num_tokens} tokens, more than the {backend_cls.name} buffer's token capacity "
+                  f"{current.spec.num_max_tokens_per_rank}")
+        why_not = "their batches fit"
+        fix = ("the capacity grows only when the ranks exceed it together: set num_max_tokens_per_rank "
+               "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to the largest per-rank token count, or turn on "
+               "MEGATRON_DEEPEPV2_VALIDATE=1 (the ranks then grow in lock-step)")
+    what = "build" if current is None else "grow"
+    try:
+        arrived = rendezvous(group, begin_build(group, f"{reason} ({fix})" if fix else reason), growth_timeout_s)
+    except PeerFailure as failure:
+        if failure.causes:  # a peer failed first: that is the cause
+            raise
+        # The peers stopped waiting for this rank in their communication: they did not need this build.
+        problem = ValueError(f"This rank {reason}, but the other ranks of the expert-parallel group did not come to "
+                             f"{what} it: {why_not}; they stopped waiting for this rank (rank(s) "
+                             f"{sorted(failure.consequences)}).{f' The {fix}.' if fix else ''}")
+        announce_failure(group, problem)
+        raise problem from failure
+    if not arrived:
+        problem = ValueError(f"This rank {reason}, but the other ranks of the expert-parallel group did not come to "
+                             f"{what} it within {growth_timeout_s:g} s: {why_not}.{f' The {fix}.' if fix else ''}")
         announce_failure(group, problem)
         raise problem
     # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the largest batch, on
@@ -159,8 +181,8 @@ def get_buffer(
     alike = {"hidden size": spec.hidden, "top-k": spec.num_topk, "FP8": int(spec.use_fp8),
              "deterministic": int(spec.deterministic), "SMs": spec.num_sms}
     largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, alike=alike)
-    if group in _retired:
-        _drop_unused(group, all_reduce_max([int(_in_use(buffer)) for buffer in _retired[group]], group))
+    if group in _retired:  # the build's ranks are together anyway: release what no handle uses any more
+        _release(group)
     # Only a learnt capacity (largest batch) is rounded to a power of two, so that batches of varying size rebuild
     # (and recompile DeepEP's kernels) rarely.
     capacity = max(capacity, next_power_of_two(largest) if not configured_capacity else largest)
@@ -207,20 +229,41 @@ def _forget(buffer: DispatchBackend) -> None:
     _handles.pop(buffer, None)
 
 
-def _drop_unused(group: dist.ProcessGroup, in_use: list[int]) -> None:
-    """Destroys the retired buffers of ``group`` whose flag, agreed over the ranks, says no rank uses them
-    (collective: DeepEP's destroy synchronises the ranks)."""
-    keep = []
-    for buffer, used in zip(_retired[group], in_use):
-        if used:
-            keep.append(buffer)
-            continue
-        _forget(buffer)
-        _stats.released += 1
+def _release(group: dist.ProcessGroup) -> int:
+    """Destroys the retired buffers of ``group`` that no rank's handle uses, agreed in one small all-reduce
+    (collective: every rank of ``group`` calls it with the same retired buffers; DeepEP's destroy synchronises the
+    ranks). Returns how many it destroyed."""
+    retired = _retired[group]
+    in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], group)
+    keep = [buffer for buffer, used in zip(retired, in_use) if used]
+    for buffer, used in zip(retired, in_use):
+        if not used:
+            _forget(buffer)
+            _stats.released += 1
     if keep:
         _retired[group] = keep
     else:
         del _retired[group]
+    return len(retired) - len(keep)
+
+
+def release_retired_buffers() -> int:
+    """Destroys the retired buffers (superseded by a capacity growth) that no dispatch handle uses any more.
+
+    Collective: call it on every rank of the expert-parallel groups at the same point of every training step, once
+    that step's backward passes have run (e.g. next to the gradient reduction), never per dispatch. It runs one small
+    all-reduce of in-use flags per group that has retired buffers (the ranks agree, so a buffer one rank's pending
+    backward still uses is kept everywhere), plus DeepEP's collective destroy of each buffer released; with nothing
+    retired it runs no collective at all (buffers retire in collective builds, so every rank knows that alike).
+
+    Returns:
+        How many buffers it destroyed (the same on every rank).
+    """
+    released = 0
+    # The same order on every rank, whatever order the groups retired buffers in.
+    for group in sorted(_retired, key=dist.get_process_group_ranks):
+        released += _release(group)
+    return released
 
 
 def destroy_buffers() -> None:

@@ -14,6 +14,11 @@ backend call per op; the Megatron manager reaches DeepEP through three frames of
 Function's ``forward``, the backend's ``dispatch``). Every kernel producing a communication input (``.contiguous()``,
 fp32 casts) is enqueued before the backend captures the event its communication stream waits on (Megatron-LM#5153).
 
+**Failures.** Every path that communicates -- the buffer build, both forwards and both backwards -- passes its errors
+through :func:`peer_failure` (:func:`megatron_deepepv2._dist.peer_failure`), and the backwards count their calls like
+the forwards: a rank that fails announces its error for the peers of that call, and a peer raises naming that rank and
+its error (at once over gloo, where waits watch for it; when its own wait fails elsewhere, e.g. at DeepEP's timeout).
+
 FP8 dispatch (``fp8_dispatch``) quantises ``x`` just before the backend's dispatch and dequantises just after
 (:mod:`megatron_deepepv2.fp8`): the backward is the BF16 one, a straight-through estimator for ``x``.
 
@@ -33,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2 import _dist, buffers, expert_kernels, fp8, validation
+from megatron_deepepv2._dist import peer_failure
 from megatron_deepepv2.backends import (
     BufferSpec,
     DispatchBackend,
@@ -199,7 +205,8 @@ class Dispatcher:
         # Padding rows are zeroed whenever there are any (zero_padding=False there fails the checks in prepare).
         padded = config.layout is ExpertLayout.EXPAND and config.expert_alignment > 1
         self.routing = Routing(num_experts, config.layout, config.expert_alignment, padded, config.host_sync)
-        #: The input signature whose static checks passed last (the checks are a function of it).
+        #: The input signature whose static checks passed last (:func:`_static_signature`: all they depend on but the
+        #: token count, which varies from batch to batch and is checked by integer compares).
         self._signature: Any = None
         self._buffer: Optional[DispatchBackend] = None
         self._buffer_spec: Optional[BufferSpec] = None
@@ -209,28 +216,28 @@ class Dispatcher:
 
         Raises:
             TypeError, ValueError: Bad input, raised before any communication (with ``validate``, on every rank of
-                the group; else on the rank that has it, and the others' communication then fails with a
-                RuntimeError naming it, see :mod:`megatron_deepepv2.validation`).
+                the group; else on the rank that has it, and the others raise a PeerFailure naming it, see
+                :mod:`megatron_deepepv2.validation`).
             RuntimeError: A host-sync dispatch inside CUDA-graph capture.
+            PeerFailure: A peer failed in this call's buffer build (:func:`peer_failure`).
         """
         config, group = self.config, self.group
         _dist.count_call(group)
         data = x[0] if type(x) is tuple else x
-        try:
-            signature = (data.shape, data.dtype, data.device, topk_idx.shape, topk_idx.dtype, topk_idx.device,
-                         None if topk_weights is None else (topk_weights.shape, topk_weights.dtype))
-        except AttributeError:  # not tensors: the static checks say what is wrong
-            signature = None
+        signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
+        capacity = config.num_max_tokens_per_rank
         problem = None
-        if signature is None or signature != self._signature or config.validate:
+        # The static checks are a function of the signature and the token count T; what they check of T (every input
+        # has T rows, T within a configured capacity) is integer compares, here and in _static_signature.
+        if (signature is None or signature != self._signature or config.validate
+                or (capacity is not None and num_tokens > capacity)):
             problem = validation.check_dispatch_inputs(
                 x, topk_idx, topk_weights, num_experts=self.routing.num_experts, group_size=_dist.group_size(group),
                 limits=config.backend.limits, layout=config.layout, expert_alignment=config.expert_alignment,
-                zero_padding=config.zero_padding, num_max_tokens_per_rank=config.num_max_tokens_per_rank,
-                check_values=config.validate)
+                zero_padding=config.zero_padding, num_max_tokens_per_rank=capacity, check_values=config.validate)
             if problem is None and config.fp8_dispatch:
                 problem = fp8.fp8_dispatch_problem(x)
-            if problem is None and signature != self._signature:
+            if problem is None and signature != self._signature:  # another shape key: lease anew
                 self._signature, self._buffer, self._buffer_spec = signature, None, None
         on_cuda = problem is None and topk_idx.is_cuda
         if config.host_sync and on_cuda and torch.cuda.is_current_stream_capturing():
@@ -281,6 +288,38 @@ class Dispatcher:
         return DispatchResult(recv_x if scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
 
 
+def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optional[tuple], int]:
+    """What the static checks of a dispatch depend on but for its token count, and that count ``T``.
+
+    The signature holds the types, dtypes, devices and trailing shapes of the inputs (hidden size, top-k, FP8 scale
+    columns, whether weights come); it is None, so that the checks run and say what is wrong, when the inputs are not
+    tensors or their row counts differ. A few attribute reads and tuple compares: it runs on every dispatch.
+    """
+    try:
+        if type(x) is tuple:
+            if len(x) != 2:
+                return None, 0
+            data, scales = x
+            num_tokens = data.shape[0]
+            if scales.shape[0] != num_tokens:
+                return None, 0
+            scales_key = (type(scales), scales.dtype, scales.shape[1:])
+        else:
+            data, scales_key = x, None
+            num_tokens = data.shape[0]
+        if topk_idx.shape[0] != num_tokens:
+            return None, 0
+        weights_key = None
+        if topk_weights is not None:
+            if topk_weights.shape[0] != num_tokens:
+                return None, 0
+            weights_key = (type(topk_weights), topk_weights.dtype, topk_weights.device, topk_weights.shape[1:])
+        return ((type(data), data.dtype, data.device, data.shape[1:], scales_key,
+                 type(topk_idx), topk_idx.dtype, topk_idx.device, topk_idx.shape[1:], weights_key), num_tokens)
+    except (AttributeError, IndexError, TypeError, ValueError):  # not tensors (or 0-dim): the checks say what is wrong
+        return None, 0
+
+
 class DispatchFunction(torch.autograd.Function):
     """Autograd dispatch; see the module docstring. Its non-differentiable inputs come as one tuple (autograd's
     ``apply`` inspects each argument), and the outputs that take no gradient (received scales and ids, the handle)
@@ -294,7 +333,10 @@ class DispatchFunction(torch.autograd.Function):
             data = fp8.quantize_e4m3_1x128(x)
         else:
             data = x if scales is None else (x, scales)
-        recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, routing, streams)
+        try:
+            recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, routing, streams)
+        except Exception as error:
+            raise peer_failure(error, buffer.group) from error
         handle.config = config
         buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
         recv_scales = None
@@ -320,17 +362,23 @@ class DispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_recv_x: Optional[torch.Tensor], grad_recv_weights: Optional[torch.Tensor]):
         handle: DispatchHandle = ctx.handle
-        rows = handle.num_recv_rows
-        if grad_recv_x is None:
-            # Only the weights want a gradient here (else backward would not run): its device is theirs.
-            grad_recv_x = torch.zeros((rows, ctx.hidden), dtype=torch.bfloat16, device=grad_recv_weights.device)
-        grad_weights = None
-        if ctx.needs_input_grad[1]:  # weights were dispatched and want a gradient
-            if grad_recv_weights is None:
-                shape = (rows,) if handle.routing.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
-                grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
-            grad_weights = grad_recv_weights.float().contiguous()  # before the backend captures its event
-        grad_x, grad_topk_weights = handle.backend.combine(grad_recv_x.contiguous(), handle, grad_weights, ctx.streams)
+        group = handle.backend.group
+        _dist.count_call(group)  # a call like the forward ones: failures of this backward are scoped to it
+        try:  # the whole body: an error before the combine would leave the peers waiting in it
+            rows = handle.num_recv_rows
+            if grad_recv_x is None:
+                # Only the weights want a gradient here (else backward would not run): its device is theirs.
+                grad_recv_x = torch.zeros((rows, ctx.hidden), dtype=torch.bfloat16, device=grad_recv_weights.device)
+            grad_weights = None
+            if ctx.needs_input_grad[1]:  # weights were dispatched and want a gradient
+                if grad_recv_weights is None:
+                    shape = (rows,) if handle.routing.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
+                    grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
+                grad_weights = grad_recv_weights.float().contiguous()  # before the backend captures its event
+            grad_x, grad_topk_weights = handle.backend.combine(grad_recv_x.contiguous(), handle, grad_weights,
+                                                               ctx.streams)
+        except Exception as error:
+            raise peer_failure(error, group) from error
         return grad_x, grad_topk_weights, None
 
 
@@ -340,12 +388,20 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: Streams):  # type: ignore[override]
         ctx.handle, ctx.streams = handle, streams
-        return handle.backend.combine(x, handle, None, streams).x
+        try:
+            return handle.backend.combine(x, handle, None, streams).x
+        except Exception as error:
+            raise peer_failure(error, handle.backend.group) from error
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
-        grad = handle.backend.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
+        group = handle.backend.group
+        _dist.count_call(group)  # a call like the forward ones: failures of this backward are scoped to it
+        try:
+            grad = handle.backend.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
+        except Exception as error:
+            raise peer_failure(error, group) from error
         if not handle.routing.host_sync and (handle.config is None or handle.config.clear_tail):
             # The rows past the valid extent are unspecified: zero them for a consumer that reduces over every row,
             # writing only those rows (a masked fill would read and write the whole worst-case buffer).
@@ -408,17 +464,6 @@ def dispatch(
         topk_idx = topk_idx.contiguous()
     bound = config.dispatcher(group if group is not None else dist.group.WORLD, num_experts)
     return bound.dispatch(x, topk_idx, topk_weights, STREAMS[bool(async_finish), bool(allocate_on_comm_stream)])
-
-
-def peer_failure(error: Exception, group: dist.ProcessGroup) -> Exception:
-    """``error``, or one naming the peers that announced a failure first (the likely cause of ``error``)."""
-    failures = _dist.announced_failures(group)
-    if not failures:
-        return error
-    causes = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failures.items()))
-    return RuntimeError(f"Rank(s) {sorted(failures)} of the expert-parallel group rejected their dispatch or combine "
-                        f"and stopped ({causes}); this rank's communication then failed: {type(error).__name__}: "
-                        f"{error}")
 
 
 #: Configurations resolved for dispatch() calls without ``config=``, per settings, under the settings object they

@@ -10,8 +10,9 @@ collective would leave its peers waiting). Each error names the argument, its va
   raises on every rank; it also names ranks whose dtype, hidden size, top-k or FP8-ness differ.
 
 Without ``validate`` a rank that rejects its input raises alone, after leaving its error in the rendezvous store
-(:func:`megatron_deepepv2._dist.announce_failure`); a peer whose communication then fails (when the rank exits, at
-the group's timeout or at DeepEP's) raises naming that rank and its error.
+(:func:`megatron_deepepv2._dist.announce_failure`); a peer raises naming that rank and its error -- within
+milliseconds over gloo, where waits watch the store, else when its own wait fails (the rank exits, the group's
+timeout, DeepEP's). With ``validate`` every rank raises together, a peer naming the rejecting ranks and their errors.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build of 
     triton = None
     tl = None
 
-from megatron_deepepv2._dist import all_gather_ints, all_reduce_max, announce_failure
+from megatron_deepepv2._dist import agreed, all_gather_ints, all_reduce_max, announce_failure, announced_failures
 from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
 
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
@@ -363,6 +364,11 @@ def raise_on_every_rank(
 
     Returns:
         The largest token count over the group (``num_tokens`` itself without ``agree``).
+
+    Raises:
+        TypeError, ValueError: ``problem``; with ``agree``, a ValueError on the other ranks naming each rank that had
+            one and its error (read from the store, where each such rank leaves it before the all-reduce), or
+            naming each rank's values that differ; each marked as raised together (``_dist.agreed``).
     """
     if not agree:
         if problem is not None:
@@ -374,15 +380,23 @@ def raise_on_every_rank(
     flags[rank] = int(problem is not None)
     fields = list((alike or {}).items())  # the same names on every rank (a rank with a problem sends zeros)
     values = [value for _, value in fields]
-    agreed = all_reduce_max(flags + [num_tokens] + values + [-value for value in values], group)
-    failed = [r for r in range(world) if agreed[r]]
+    if problem is not None:  # before the all-reduce, so that every peer can read it once the flags arrive
+        announce_failure(group, problem, interrupt=False)
+    outcome = all_reduce_max(flags + [num_tokens] + values + [-value for value in values], group)
     if problem is not None:
-        raise problem
-    if failed:
-        raise ValueError(f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine inputs "
-                         "(their error says why); this rank's inputs were valid but it stops too instead of waiting.")
+        raise agreed(problem)
+    if any(outcome[:world]):
+        ranks = dist.get_process_group_ranks(group)
+        failed = [ranks[r] for r in range(world) if outcome[r]]
+        errors = announced_failures(group)
+        said = "; ".join(f"rank {r}: {errors[r]}" for r in failed if r in errors)
+        unsaid = [r for r in failed if r not in errors]
+        if unsaid:  # the store could not be read: the errors are only on those ranks
+            said += f"{'; ' if said else ''}rank(s) {unsaid}: their error is raised there"
+        raise agreed(ValueError(f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine "
+                                f"inputs ({said}); this rank's inputs were valid but it stops too instead of waiting."))
     count = len(values)
-    highs, lows = agreed[world + 1:world + 1 + count], [-v for v in agreed[world + 1 + count:]]
+    highs, lows = outcome[world + 1:world + 1 + count], [-v for v in outcome[world + 1 + count:]]
     differing = [name for (name, _), high, low in zip(fields, highs, lows) if high != low]
     if differing:
         ranks = dist.get_process_group_ranks(group)
@@ -391,9 +405,9 @@ def raise_on_every_rank(
             f"rank {ranks[r]}: " + ", ".join(f"{name} {_describe(name, v)}" for (name, _), v in zip(fields, every[r])
                                              if name in differing)
             for r in range(world))
-        raise ValueError(
+        raise agreed(ValueError(
             f"The ranks of the expert-parallel group dispatch inputs whose {', '.join(differing)} differ ({described}). "
             "Every rank must dispatch the same dtype, hidden size, top-k and FP8-ness with the same determinism and "
             "SM count: they fix the layout of the exchange. Give every rank the same model configuration and settings."
-        )
-    return agreed[world]
+        ))
+    return outcome[world]

@@ -7,7 +7,9 @@ oracle for the DeepEP adapter.
 How it works: every dispatch computes a *routing plan* with vectorised index operations (no Python
 loop over tokens or experts) and moves all row data -- hidden states, FP8 scales, expert ids, weights and
 source indices, packed side by side as bytes -- in **one** ``all_to_all_single``. Combine moves the rows
-back in one ``all_to_all_single`` and reduces them. Two transports:
+back in one ``all_to_all_single`` and reduces them. Every collective goes through
+:func:`~megatron_deepepv2._dist.run_collective`: over gloo a rank waiting in one raises within milliseconds, naming
+the peer, when that peer announces a failure instead of joining. Two transports:
 
 * with host sync (the default) the ranks first exchange row counts, read them on the host and send
   exactly the rows each destination needs; outputs have exact sizes;
@@ -37,7 +39,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import all_reduce_max
+from megatron_deepepv2._dist import all_reduce_max, run_collective
 from megatron_deepepv2.backends.base import (
     SYNC,
     BackendLimits,
@@ -155,7 +157,7 @@ def _unpack(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
 
 def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     received = rows.new_empty((sum(recv_splits), rows.shape[1]))
-    dist.all_to_all_single(received, rows, recv_splits, send_splits, group=group)
+    run_collective(dist.all_to_all_single, received, rows, recv_splits, send_splits, group=group)
     return received
 
 
@@ -448,7 +450,7 @@ class ReferenceBackend(DispatchBackend):
             The transport, the received tensors and their row count as a 0-dim device tensor.
         """
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        run_collective(dist.all_to_all_single, recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()
         transport = _Transport(send_splits, recv_splits)
         received = transport.send(payload, self.group)

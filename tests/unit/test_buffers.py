@@ -1,4 +1,5 @@
-"""Buffer lifecycle: one buffer per group, collective rebuilds on key change and growth, destroy."""
+"""Buffer lifecycle: one buffer per group, collective rebuilds on key change and growth, retired buffers released once
+per step when no handle uses them, destroy; a layer's static checks run once whatever its token counts."""
 
 from __future__ import annotations
 
@@ -122,3 +123,100 @@ def test_each_build_logs_its_memory_and_the_capacity_it_was_sized_for() -> None:
         assert logs[0] == f"Built the {backend} buffer: {mib} of device memory, sized for 8 tokens per rank " \
                           "(hidden 8, top-k 2, BF16, 2 ranks)", logs
         assert "sized for 32 tokens per rank" in logs[1], logs
+
+
+# ---------------------------------------------------------------- static checks once, whatever the token count
+def _memo_worker(rank: int, world: int, configured: bool) -> list[int]:
+    import pytest
+
+    from megatron_deepepv2 import validation
+
+    checked: list[int] = []
+    original = validation.check_dispatch_inputs
+
+    def counting(x, *args, **kwargs):
+        checked.append(x.shape[0])
+        return original(x, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(validation, "check_dispatch_inputs", counting)
+        kwargs = {"num_max_tokens_per_rank": 32} if configured else {}
+        # Variable-length batches (the same on every rank, so that a learnt capacity grows on all together).
+        backends = [_dispatch(tokens, hidden=8, **kwargs).handle.backend for tokens in (5, 17, 3, 32, 0, 11, 8)]
+        assert checked == [5], checked  # the first call only: the others differ in the token count alone
+        if configured:
+            assert all(b is backends[0] for b in backends) and buffers.buffer_stats().builds == 1
+        else:  # 5 -> capacity 8; 17 grows it to 32 on every rank; the rest fit
+            assert backends[1:] == [backends[1]] * 6 and backends[1].spec.num_max_tokens_per_rank == 32
+            assert buffers.buffer_stats().builds == 2
+        # What the checks say of the token count is still checked on every call, by integer compares.
+        x, idx, w = torch.randn(6, 8), torch.tensor([[0, 1]] * 6), torch.rand(6, 2)
+        with pytest.raises(ValueError, match=r"topk_idx must be \[T=6, K\] to match x; got shape \(5, 2\)"):
+            dv2.dispatch(x, idx[:5], w, 4, **kwargs)
+        with pytest.raises(ValueError, match=r"topk_weights has shape \(5, 2\); it must match topk_idx \(6, 2\)"):
+            dv2.dispatch(x, idx, w[:5], 4, **kwargs)
+        if configured:
+            with pytest.raises(ValueError, match="dispatches 33 tokens but num_max_tokens_per_rank=32"):
+                _dispatch(33, hidden=8, **kwargs)
+        # Other static facts change the signature: checked again, and a bad one raises its clear error.
+        with pytest.raises(TypeError, match="topk_idx has dtype torch.int32"):
+            dv2.dispatch(x, idx.int(), w, 4, **kwargs)
+        assert _dispatch(9, hidden=8, **kwargs).handle.backend is backends[-1]  # not checked again; the lease kept
+    return checked
+
+
+def test_static_checks_run_once_for_variable_token_counts_and_the_buffer_is_kept() -> None:
+    for configured in (True, False):
+        checked = run_distributed(_memo_worker, 2, configured, env={"MEGATRON_DEEPEPV2_VALIDATE": "0"})
+        # Good inputs once, then each bad input; a failed check leaves the good signature in place.
+        expected = [5, 6, 6] + ([33] if configured else []) + [6]
+        assert checked == [expected, expected], (configured, checked)
+
+
+# ---------------------------------------------------------------- retired buffers released once per step
+def _release_worker(rank: int, world: int) -> dict:
+    import pytest
+    import torch.distributed as dist
+
+    from megatron_deepepv2.backends import ReferenceBackend
+
+    reduces: list[int] = []
+    destroyed: list[ReferenceBackend] = []
+    all_reduce, destroy = dist.all_reduce, ReferenceBackend.destroy
+
+    def counting_all_reduce(*args, **kwargs):
+        reduces.append(1)
+        return all_reduce(*args, **kwargs)
+
+    def recording_destroy(self) -> None:
+        destroyed.append(self)
+        destroy(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "all_reduce", counting_all_reduce)
+        patch.setattr(ReferenceBackend, "destroy", recording_destroy)
+        assert buffers.release_retired_buffers() == 0 and reduces == []  # nothing built: nothing to agree on
+        first = _dispatch(4, hidden=8)  # capacity 4
+        old = first.handle.backend
+        before = len(reduces)
+        assert buffers.release_retired_buffers() == 0 and len(reduces) == before  # nothing retired: no collective
+        grown = _dispatch(10, hidden=8)  # every rank exceeds: grows to 16, the old buffer retires
+        assert grown.handle.backend is not old and old.retired and buffers.retired_buffers() == [old]
+        dv2.combine(first.recv_x, first.handle)  # a handle of the retired buffer still works
+        # Rank 0 still holds a handle of the old buffer (a pending backward): kept on every rank.
+        if rank == 1:
+            del first
+        before = len(reduces)
+        assert buffers.release_retired_buffers() == 0 and len(reduces) == before + 1  # one small all-reduce
+        assert buffers.retired_buffers() == [old] and destroyed == []
+        if rank == 0:
+            del first
+        assert buffers.release_retired_buffers() == 1 and destroyed == [old] and buffers.retired_buffers() == []
+        before = len(reduces)
+        assert buffers.release_retired_buffers() == 0 and len(reduces) == before  # nothing retired again
+        assert buffers.active_buffers() == [grown.handle.backend] and grown.handle.backend not in destroyed
+    return {"released": buffers.buffer_stats().released}
+
+
+def test_retired_buffers_are_released_at_the_first_step_no_handle_uses_them() -> None:
+    assert run_distributed(_release_worker, 2) == [{"released": 1}, {"released": 1}]

@@ -1,0 +1,166 @@
+"""A failure on one rank makes every peer raise within seconds, naming that rank and its error.
+
+Each case injects an error on one rank (inside the spawned worker) at one communicating step -- the buffer build, the
+forward dispatch and combine, and both backwards (dispatch's is a combine, combine's a cached dispatch) -- and checks
+every other rank's error against it: its type, the failing rank, that rank's error text, and the time it took (far
+below the process group's and the growth timeouts). Over the reference backend the peers wait in gloo collectives
+that watch for announcements; over a stand-in whose peers wait without communicating and then raise a timeout, as a
+DeepEP kernel does, the timeout surfaces naming the cause.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+import megatron_deepepv2 as dv2
+from megatron_deepepv2 import _dist
+from megatron_deepepv2.backends import ReferenceBackend
+from tests.distributed import run_distributed
+
+T, H, E, K = 6, 8, 8, 2
+#: Far above what any check here allows a peer: a peer that waited for a timeout fails the test by its time.
+ENV = {"MEGATRON_DEEPEPV2_VALIDATE": "0", "MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S": "60"}
+PEER_SECONDS = 5.0
+#: The backend method each injection point runs in.
+METHODS = {"build": "__init__", "dispatch": "dispatch", "combine": "combine", "dispatch_backward": "combine",
+           "combine_backward": "cached_dispatch"}
+
+
+class TimeoutStandIn(ReferenceBackend):
+    """The reference backend under another name: a separate buffer whose methods a case replaces."""
+
+    name = "timeout_stand_in"
+
+
+def _inputs(rank: int, num_tokens: int = T):
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(num_tokens)])
+    return torch.randn(num_tokens, H, generator=gen).requires_grad_(), idx, torch.rand(num_tokens, K, generator=gen)
+
+
+def _install(cls: type, method: str, action: Callable[[object], None]) -> None:
+    """Makes ``cls.method`` run ``action(group)`` first (in this process only: each rank is a process of its own)."""
+    original = getattr(cls, method)
+
+    def patched(self, *args, **kwargs):
+        action(args[0] if method == "__init__" else self.group)
+        return original(self, *args, **kwargs)
+
+    setattr(cls, method, patched)
+
+
+def _fail(where: str) -> Callable[[object], None]:
+    def action(group) -> None:
+        raise RuntimeError(f"injected {where} failure")
+    return action
+
+
+def _time_out(group) -> None:
+    """What a peer inside DeepEP's kernel sees: nothing arrives, then a timeout (once the failing rank has spoken)."""
+    deadline = time.monotonic() + 20
+    while not (_dist.announced_failures(group) or _dist.pending_builds(group)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    raise RuntimeError("DeepEP timeout (stand-in): the dispatch's CPU wait timed out")
+
+
+def _step(x, idx, w, config) -> None:
+    out = dv2.dispatch(x, idx, w, E, config=config)
+    y = dv2.combine(out.recv_x * 2, out.handle)
+    y.sum().backward()
+
+
+def _fail_once(rank: int, world: int, where: str, bad_rank: int, peers_time_out: bool) -> tuple[str, str, float]:
+    cls = TimeoutStandIn if peers_time_out else ReferenceBackend
+    config = dv2.DispatchConfig.resolve(backend=cls)
+    x, idx, w = _inputs(rank)
+    if where != "build":
+        _step(x, idx, w, config)  # the buffer exists and every op has run once on every rank
+    action = _fail(where) if rank == bad_rank else _time_out if peers_time_out else None
+    if action is not None and where != "dispatch_backward":
+        _install(cls, METHODS[where], action)
+    started = time.monotonic()
+    try:
+        out = dv2.dispatch(x, idx, w, E, config=config)
+        y = dv2.combine(out.recv_x * 2, out.handle)
+        if action is not None and where == "dispatch_backward":  # the forward combine is done: only the backward's
+            _install(cls, "combine", action)
+        y.sum().backward()
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return type(error).__name__, str(error), time.monotonic() - started
+    return "no error", "", time.monotonic() - started
+
+
+def _check(outcomes: list, where: str, bad_rank: int) -> None:
+    bad_type, bad_message, _ = outcomes[bad_rank]
+    assert (bad_type, bad_message) == ("RuntimeError", f"injected {where} failure"), outcomes[bad_rank]
+    for rank, (kind, message, seconds) in enumerate(outcomes):
+        if rank == bad_rank:
+            continue
+        assert kind == "PeerFailure", (rank, kind, message)
+        assert f"Rank(s) [{bad_rank}] of the expert-parallel group failed in this call" in message, (rank, message)
+        assert f"rank {bad_rank}: RuntimeError: injected {where} failure" in message, (rank, message)
+        assert seconds < PEER_SECONDS, (rank, seconds, message)
+
+
+WHERE = list(METHODS)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("world,bad_rank", [(2, 1), (4, 2)])
+def test_a_failure_on_one_rank_is_named_on_every_peer_within_seconds(world: int, bad_rank: int, where: str) -> None:
+    outcomes = run_distributed(_fail_once, world, where, bad_rank, False, env=ENV, timeout=60)
+    _check(outcomes, where, bad_rank)
+
+
+def test_a_failure_on_the_rank_hosting_the_store_is_named_too() -> None:
+    outcomes = run_distributed(_fail_once, 2, "dispatch", 0, False, env=ENV, timeout=60)
+    _check(outcomes, "dispatch", 0)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_peer_timeout_as_deepep_raises_it_names_the_announced_cause(where: str) -> None:
+    """Peers that wait without communicating (inside a kernel) and then raise a timeout name the rank that failed
+    and its error instead of a bare timeout, on every path that reaches the backend."""
+    outcomes = run_distributed(_fail_once, 2, where, 1, True, env=ENV, timeout=60)
+    _check(outcomes, where, 1)
+    assert "DeepEP timeout (stand-in)" in outcomes[0][1], outcomes[0]
+
+
+# ---------------------------------------------------------------- a rank whose batch exceeds the capacity alone
+def _exceed_alone(rank: int, world: int, big_rank: int, peers_time_out: bool) -> tuple[str, str, float]:
+    cls = TimeoutStandIn if peers_time_out else ReferenceBackend
+    config = dv2.DispatchConfig.resolve(backend=cls)
+    _step(*_inputs(rank), config)  # learns capacity 8 (the largest first batch, 6, rounded up) on every rank
+    if peers_time_out and rank != big_rank:
+        _install(cls, "dispatch", _time_out)
+    x, idx, w = _inputs(rank, 20 if rank == big_rank else T)
+    started = time.monotonic()
+    try:
+        dv2.dispatch(x, idx, w, E, config=config)
+    except Exception as error:  # noqa: BLE001 - returned to the test
+        return type(error).__name__, str(error), time.monotonic() - started
+    return "no error", "", time.monotonic() - started
+
+
+@pytest.mark.parametrize("world,big_rank,peers_time_out", [(2, 0, False), (4, 2, False), (2, 1, True)])
+def test_a_rank_that_exceeds_the_capacity_alone_fails_fast_and_named_on_every_rank(
+        world: int, big_rank: int, peers_time_out: bool) -> None:
+    """Its peers, whose batches fit, are already communicating through the buffer; they see it wait at the build
+    they did not need (or, inside DeepEP, name it when their timeout surfaces), and it learns that they stopped."""
+    outcomes = run_distributed(_exceed_alone, world, big_rank, peers_time_out, env=ENV, timeout=60)
+    name = TimeoutStandIn.name if peers_time_out else ReferenceBackend.name
+    why = f"dispatches 20 tokens, more than the {name} buffer's token capacity 8"
+    kind, message, seconds = outcomes[big_rank]
+    assert kind == "ValueError" and f"This rank {why}" in message, outcomes[big_rank]
+    assert "did not come to grow it: their batches fit" in message and "MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK" in message
+    assert seconds < PEER_SECONDS, outcomes[big_rank]
+    for rank, (kind, message, seconds) in enumerate(outcomes):
+        if rank != big_rank:
+            assert kind == "PeerFailure" and f"Rank(s) [{big_rank}]" in message and f"rank {big_rank}: {why}" in message, \
+                (rank, message)
+            assert "wait for this rank at a communication buffer build that this rank did not need" in message
+            assert seconds < PEER_SECONDS, (rank, seconds)
