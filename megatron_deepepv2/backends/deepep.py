@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -52,6 +51,7 @@ from megatron_deepepv2.deepep_lines import (  # noqa: F401 - import_deep_ep: the
 )
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up
 from megatron_deepepv2.sizing import buffer_size_arguments
+from megatron_deepepv2.topology import choose_hybrid_mode
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,6 @@ def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
     """
     probe = torch.zeros(1, device=collective_device(group))
     dist.all_reduce(probe, group=group)
-
-
-def _group_spans_nodes(group_size: int) -> bool:
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    per_node = int(local) if local else max(torch.cuda.device_count(), 1)
-    return group_size > per_node
 
 
 class _FillOff:
@@ -152,9 +146,8 @@ class DeepEPBackend(DispatchBackend):
         #: Keyword arguments of each kind of call, per (routing, stream mode): built on first use, then reused.
         self._call_kwargs: dict[tuple, dict[str, Any]] = {}
         ensure_nccl_communicator(group)
-        allow_hybrid = spec.allow_hybrid_mode
-        if allow_hybrid is None:
-            allow_hybrid = _group_spans_nodes(self.group_size)
+        # Hybrid only when the group's ranks span nodes (one gather of node identities per group), unless the spec says.
+        allow_hybrid, why = choose_hybrid_mode(group, spec.allow_hybrid_mode)
         buffer_class = getattr(deep_ep, self.line_calls.line.buffer_class)
         self.buffer = buffer_class(
             group,
@@ -165,8 +158,8 @@ class DeepEPBackend(DispatchBackend):
             allow_multiple_reduction=True,  # expand combine with weights needs it
             explicitly_destroy=True,
         )
-        logger.info("DeepEP %s %s: %s mode", self.line_calls.line.name, self.line_calls.line.buffer_class,
-                    "hybrid (RDMA x NVLink)" if allow_hybrid else "direct")
+        logger.info("DeepEP %s %s: %s mode (%s)", self.line_calls.line.name, self.line_calls.line.buffer_class,
+                    "hybrid (RDMA x NVLink)" if allow_hybrid else "direct", why)
 
     @property
     def num_bytes(self) -> int:

@@ -1,0 +1,240 @@
+"""Which nodes the ranks of an expert-parallel group run on, and the DeepEP mode that follows from it.
+
+DeepEP 2.1 runs a group in one of two modes (``allow_hybrid_mode`` of its buffer): *hybrid*, NVLink domains joined by
+RDMA, or *direct*, every rank in one flat scale-up domain (over NVLink only when the group is one NVLink domain).
+DeepEP takes the NVLink domain from NCCL's LSA team (``get_physical_domain_size``), which NCCL builds from runs of
+consecutive ranks on one node: its size is the greatest common divisor of the lengths of those runs, so that it is the
+same on every rank and divides the group, as DeepEP asserts (``num_ranks % num_nvl_ranks == 0``). NCCL tells nodes
+apart by a host hash: ``NCCL_HOSTID`` when set, else the hostname and the kernel's boot id.
+
+So the mode is decided from where the ranks are, not from counts: hybrid when the group's ranks span more than one
+node, direct within one node, whatever the group size, the local world size or the GPUs a process sees. A layout
+whose NVLink domains NCCL would cut smaller than a node's share of the group (nodes holding unequal numbers of the
+group's ranks, or a node's ranks not consecutive in the group) is refused rather than given a mode, since either mode
+would send traffic between GPUs of one node over RDMA; an explicit ``allow_hybrid_mode`` still builds it.
+
+This module owns: a process's node identity (:func:`local_node_id`), the one gather of a group's identities, cached
+per group (:func:`group_node_ids`), the layout and decision as pure functions of the identities (:func:`node_layout`,
+:class:`NodeLayout`), and the choice a buffer build makes (:func:`choose_hybrid_mode`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+from functools import reduce
+from typing import Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_deepepv2._dist import group_size
+
+#: Environment variable naming this process's NVLink domain, for clusters where hostnames do not (several hosts of one
+#: multi-node NVLink domain, or one host seen under several names). Read directly, not as a setting of
+#: :mod:`megatron_deepepv2.config`: it differs from node to node, while settings are the same on every rank.
+NODE_ID_VARIABLE = "MEGATRON_DEEPEPV2_NODE_ID"
+#: NCCL's own override of its host identity, which decides its LSA team (DeepEP's NVLink domain).
+NCCL_HOST_ID_VARIABLE = "NCCL_HOSTID"
+_BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+#: Group ranks shown in an error message's node map before it is cut short.
+_MAX_RANKS_SHOWN = 32
+
+#: Per process group: the node identity of each of its ranks, in group-rank order (gathered once per group).
+_node_ids: dict[dist.ProcessGroup, tuple[str, ...]] = {}
+
+
+def local_node_id(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This process's node identity: equal on two processes exactly when they share an NVLink domain.
+
+    Args:
+        environ: Mapping to read instead of ``os.environ``.
+
+    Returns:
+        :data:`NODE_ID_VARIABLE` when set (not empty); else the identity NCCL gives the host: ``NCCL_HOSTID`` when set,
+        else the hostname followed by the first 8 characters of the kernel's boot id (so two machines with one
+        hostname stay apart; the hostname alone where the boot id cannot be read).
+    """
+    environ = os.environ if environ is None else environ
+    override = environ.get(NODE_ID_VARIABLE, "").strip()
+    if override:
+        return override
+    nccl_host_id = environ.get(NCCL_HOST_ID_VARIABLE)
+    if nccl_host_id is not None:
+        return nccl_host_id
+    hostname = socket.gethostname()
+    try:
+        with open(_BOOT_ID_FILE, encoding="ascii") as boot_id_file:
+            boot_id = boot_id_file.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{hostname}:{boot_id[:8]}" if boot_id else hostname
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Where the ranks of a group are: one node identity per group rank, in group-rank order.
+
+    Build it with :func:`node_layout`, which refuses layouts it cannot choose a DeepEP mode for; the properties hold
+    for any layout.
+
+    Attributes:
+        node_ids: The node identity of each group rank (:func:`local_node_id` on that rank).
+    """
+
+    node_ids: tuple[str, ...]
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks in the group."""
+        return len(self.node_ids)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The distinct nodes, in the order of their first group rank."""
+        return tuple(dict.fromkeys(self.node_ids))
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the group spans."""
+        return len(self.nodes)
+
+    @property
+    def ranks_per_node(self) -> tuple[int, ...]:
+        """How many of the group's ranks each node of :attr:`nodes` holds."""
+        return tuple(self.node_ids.count(node) for node in self.nodes)
+
+    @property
+    def runs(self) -> tuple[int, ...]:
+        """Lengths of the runs of consecutive group ranks on one node, in group-rank order."""
+        lengths: list[int] = []
+        for rank, node in enumerate(self.node_ids):
+            if rank and node == self.node_ids[rank - 1]:
+                lengths[-1] += 1
+            else:
+                lengths.append(1)
+        return tuple(lengths)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each node's ranks are consecutive in the group (one run per node)."""
+        return len(self.runs) == self.num_nodes
+
+    @property
+    def nvlink_domain_size(self) -> int:
+        """Ranks in the NVLink domain NCCL forms for the group (its LSA team: the gcd of :attr:`runs`).
+
+        As NCCL computes it with ``NCCL_LSA_TEAM_SIZE`` unset and the group not one multi-node NVLink domain (there
+        NCCL extends the team to the whole group: name the domain with :data:`NODE_ID_VARIABLE`).
+        """
+        return reduce(math.gcd, self.runs)
+
+    @property
+    def allow_hybrid_mode(self) -> bool:
+        """Whether DeepEP should be allowed hybrid (RDMA x NVLink) mode: when the ranks span more than one node."""
+        return self.num_nodes > 1
+
+    def describe(self) -> str:
+        """The layout in words, e.g. ``8 ranks on 8 nodes, 1 per node`` or ``8 ranks on 1 node``."""
+        ranks = f"{self.num_ranks} rank{'s' if self.num_ranks != 1 else ''}"
+        if self.num_nodes == 1:
+            return f"{ranks} on 1 node"
+        counts = sorted(set(self.ranks_per_node))
+        per_node = str(counts[0]) if len(counts) == 1 else "/".join(map(str, self.ranks_per_node))
+        interleaved = "" if self.contiguous else ", interleaved"
+        return f"{ranks} on {self.num_nodes} nodes, {per_node} per node{interleaved}"
+
+    def node_map(self) -> str:
+        """Which node each group rank is on, as node indices into :attr:`nodes` (cut short for large groups)."""
+        index = {node: i for i, node in enumerate(self.nodes)}
+        shown = " ".join(str(index[node]) for node in self.node_ids[:_MAX_RANKS_SHOWN])
+        return shown + (" ..." if self.num_ranks > _MAX_RANKS_SHOWN else "")
+
+
+def node_layout(node_ids: Sequence[str]) -> NodeLayout:
+    """The layout of a group from its ranks' node identities, checked for a mode DeepEP can be given.
+
+    A pure function of ``node_ids``: every rank of a group passes the same gathered list and gets the same layout, or
+    the same error.
+
+    Args:
+        node_ids: The node identity of each group rank, in group-rank order (:func:`group_node_ids`).
+
+    Returns:
+        The layout; its :attr:`NodeLayout.allow_hybrid_mode` is the decision (hybrid when the ranks span nodes).
+
+    Raises:
+        ValueError: If ``node_ids`` is empty, or the NVLink domains NCCL would form
+            (:attr:`NodeLayout.nvlink_domain_size`) are smaller than the share of the group each node holds: nodes hold
+            unequal numbers of the group's ranks, or a node's ranks are not consecutive in the group.
+    """
+    layout = NodeLayout(tuple(node_ids))
+    if not layout.node_ids:
+        raise ValueError("node_layout() needs the node identity of at least one rank; got an empty list.")
+    counts = layout.ranks_per_node
+    if len(set(counts)) == 1 and layout.contiguous:
+        return layout
+    domain = layout.nvlink_domain_size
+    nodes = ", ".join(f"{node!r}: {count}" for node, count in zip(layout.nodes, counts))
+    if len(set(counts)) > 1:
+        problem = f"its nodes hold unequal numbers of its ranks ({nodes})"
+        fix = ("place the same number of the group's ranks on every node (an expert-parallel size that divides, or is "
+               "a multiple of, the GPUs per node)")
+    else:
+        problem = (f"each of its {layout.num_nodes} nodes holds {counts[0]} of its ranks, but not as consecutive group "
+                   f"ranks (node of each group rank: {layout.node_map()})")
+        fix = ("number the ranks node by node (torchrun does; under srun use --distribution=block), so that each "
+               "node's ranks in the group are consecutive")
+    raise ValueError(
+        f"The expert-parallel group ({layout.describe()}) cannot be given a DeepEP mode automatically: {problem}. "
+        "DeepEP takes its NVLink domain from NCCL's LSA team, which must be the same size on every rank and divide the "
+        "group (DeepEP asserts num_ranks % num_nvl_ranks == 0); NCCL makes it so by cutting the runs of consecutive "
+        f"ranks on one node into domains of their greatest common divisor, here {domain} rank"
+        f"{'s' if domain != 1 else ''}, so GPUs of one node would exchange over RDMA instead of NVLink. To fix, {fix}; "
+        "or choose DeepEP's mode yourself with allow_hybrid_mode (MEGATRON_DEEPEPV2_ALLOW_HYBRID_MODE=1 or 0) to "
+        "build with this layout anyway. If hostnames do not name the NVLink domains, set "
+        f"{NODE_ID_VARIABLE} on each rank to its domain's name."
+    )
+
+
+def group_node_ids(group: dist.ProcessGroup) -> tuple[str, ...]:
+    """The node identity of every rank of ``group``, in group-rank order; collective the first time per group.
+
+    The first call on a group gathers :func:`local_node_id` from its ranks (one small ``all_gather_object``, a host
+    sync: call it where the ranks are already in step, as a buffer build is); later calls return the cached result.
+
+    Args:
+        group: The process group; every rank of it must call this the first time.
+
+    Returns:
+        One identity per group rank.
+    """
+    ids = _node_ids.get(group)
+    if ids is None:
+        gathered: list[Optional[str]] = [None] * group_size(group)
+        dist.all_gather_object(gathered, local_node_id(), group=group)
+        ids = _node_ids[group] = tuple(str(node) for node in gathered)
+    return ids
+
+
+def choose_hybrid_mode(group: dist.ProcessGroup, override: Optional[bool]) -> tuple[bool, str]:
+    """DeepEP's ``allow_hybrid_mode`` for a buffer on ``group``, and why.
+
+    Args:
+        group: The expert-parallel group. When ``override`` is None, every rank of it must call this (the first call
+            per group gathers the node identities, :func:`group_node_ids`).
+        override: The configured ``allow_hybrid_mode``; None decides from the group's layout (:func:`node_layout`).
+
+    Returns:
+        ``(allow_hybrid_mode, reason)``, the reason in words for the build's log line, e.g.
+        ``"8 ranks on 8 nodes, 1 per node"`` or ``"allow_hybrid_mode=False set"``. The same on every rank.
+
+    Raises:
+        ValueError: If ``override`` is None and the layout cannot be given a mode (see :func:`node_layout`); raised on
+            every rank alike.
+    """
+    if override is not None:
+        return bool(override), f"allow_hybrid_mode={bool(override)} set"
+    layout = node_layout(group_node_ids(group))
+    return layout.allow_hybrid_mode, layout.describe()
