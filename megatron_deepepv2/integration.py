@@ -24,7 +24,19 @@ place                                   change
                                         (any dispatcher) ``SyncFreeSequentialMLP`` experts; with no host
                                         sync, a deepepv2 layer checks that its experts take device-side
                                         token counts (:mod:`~megatron_deepepv2.experts`)
+``MoEFlexTokenDispatcher.reset_``       deepepv2 clears the manager's ``dropped_rows`` with
+``over_budget``                         ``over_budget`` (Megatron's over-budget rerun calls it)
+``ModelParallelConfig.finalize_``       every call of ``config.finalize_model_grads_func`` (the
+``model_grads_func``                    schedules call it once per training step, after backward)
+                                        then releases retired deepepv2 buffers
+                                        (``buffers.release_retired_buffers``)
 ======================================  ===========================================================
+
+``moe_expert_rank_capacity_factor`` (megatron-core >= 0.19), which Megatron accepts for hybridep and ncclep only, is
+accepted for deepepv2 too: the manager bounds the experts' receive with HybridEP's budget, and Megatron's over-budget
+rerun (``PagedStashRunner``, which ``megatron.training`` wraps around the step whenever the factor is set) clears and
+restores the manager's ``moe_expert_rank_capacity_factor`` as for HybridEP. ``moe_paged_stash`` is refused with
+deepepv2 (:func:`validate_config` says why).
 
 ``install()`` is idempotent. Before 0.17 it raises; a release newer than the tested ones (0.17 - 0.19.x) gets a
 warning, and a patch point such a release no longer has raises naming it.
@@ -168,6 +180,15 @@ def validate_config(config: Any) -> None:
             f"moe_expert_rank_capacity_factor={rank_capacity_factor} must be a positive factor of the "
             "per-rank receive (tokens per rank x top-k), or unset for a dropless receive."
         )
+    if getattr(config, "moe_paged_stash", False):
+        raise ValueError(
+            "moe_paged_stash is not supported with moe_flex_dispatcher_backend='deepepv2'. Megatron's paged stash "
+            "pages only the Transformer Engine grouped tensors that TEGroupedMLP's op-fuser path saves for backward "
+            "(--use-transformer-engine-op-fuser --moe-grouped-gemm), and deepepv2 has not run behind that path: its "
+            "tested experts (SyncFreeSequentialMLP, SequentialMLP) save plain tensors, which paged stash leaves in "
+            "place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
+            "Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) works with deepepv2."
+        )
     if config.num_moe_experts is None:
         return
     if config.moe_token_dispatcher_type != "flex":
@@ -191,8 +212,10 @@ def _patch_config_validation() -> None:
     @functools.wraps(original)
     def __post_init__(self) -> None:
         deepepv2 = getattr(self, "moe_flex_dispatcher_backend", None) == BACKEND_NAME
-        if deepepv2 and getattr(self, "moe_enable_deepep", False):
-            validate_config(self)  # before Megatron rewrites the backend to "deepep"
+        if deepepv2:
+            # Before Megatron's checks: Megatron rewrites the backend to "deepep" under moe_enable_deepep, and would
+            # answer moe_paged_stash with "requires moe_expert_rank_capacity_factor", which it does not see here.
+            validate_config(self)
         # Megatron accepts moe_expert_rank_capacity_factor only for hybridep / ncclep; deepepv2 takes it too (a
         # static receive bound, see the manager), so Megatron's checks run without it and ours check it.
         rank_capacity_factor = getattr(self, "moe_expert_rank_capacity_factor", None) if deepepv2 else None
@@ -266,6 +289,12 @@ def _make_dispatcher_class():
             self._comm_manager.setup_metadata(routing_map, probs)
             return hidden_states, self._comm_manager.token_probs
 
+        def reset_over_budget(self) -> None:
+            """Megatron's over-budget reset; for deepepv2 it also clears the manager's ``dropped_rows``."""
+            if self.config.moe_flex_dispatcher_backend != BACKEND_NAME:
+                return super().reset_over_budget()
+            self._comm_manager.reset_over_budget()
+
     return DeepepV2FlexTokenDispatcher
 
 
@@ -323,6 +352,82 @@ def _patch_moe_layer_expert_check() -> None:
     __init__._deepepv2_plugin = True  # type: ignore[attr-defined]
     __init__._deepepv2_original = original  # type: ignore[attr-defined]
     MoELayer.__init__ = __init__
+
+
+_FINALIZE = "finalize_model_grads_func"
+
+
+def release_retired_buffers_after(finalize: Callable) -> Callable:
+    """``finalize``, then ``megatron_deepepv2.buffers.release_retired_buffers()``: what every call of a config's
+    ``finalize_model_grads_func`` runs once :func:`install` ran.
+
+    Megatron's schedules call that function once per training step on every rank, after the step's last backward
+    (no dispatch handle of the step is alive any more), so the release -- a collective over the groups that have
+    retired buffers, none when none are -- runs at the same point on every rank. It is looked up at call time.
+
+    Args:
+        finalize: The finalize function Megatron would call (its arguments and result pass through).
+
+    Returns:
+        The wrapped function (``_deepepv2_original`` is ``finalize``).
+    """
+
+    @functools.wraps(finalize)
+    def finalize_model_grads(*args, **kwargs):
+        result = finalize(*args, **kwargs)
+        from megatron_deepepv2 import buffers  # noqa: PLC0415
+
+        release = getattr(buffers, "release_retired_buffers", None)
+        if release is not None:
+            release()
+        return result
+
+    finalize_model_grads._deepepv2_plugin = True  # type: ignore[attr-defined]
+    finalize_model_grads._deepepv2_original = finalize  # type: ignore[attr-defined]
+    return finalize_model_grads
+
+
+class _FinalizeWithRelease:
+    """``ModelParallelConfig.finalize_model_grads_func`` as a data descriptor: the config stores what it is given (so
+    copies, pickles and ``dataclasses.replace`` see the plain function) and hands out
+    :func:`release_retired_buffers_after` of it. Hooking the attribute Megatron's schedules read, rather than the
+    module-level ``finalize_model_grads``, also covers a function imported by name before :func:`install` ran and a
+    builder-installed finalize function."""
+
+    _deepepv2_plugin = True
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+        self._wrapped: dict[Any, Callable] = {}
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            return self.default  # the dataclass default, as before
+        finalize = obj.__dict__.get(_FINALIZE, self.default)
+        if finalize is None:
+            return None
+        try:
+            wrapped = self._wrapped.get(finalize)
+            if wrapped is None:
+                wrapped = self._wrapped[finalize] = release_retired_buffers_after(finalize)
+        except TypeError:  # an unhashable callable: wrapped on every read
+            wrapped = release_retired_buffers_after(finalize)
+        return wrapped
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[_FINALIZE] = getattr(value, "_deepepv2_original", value)
+
+
+def _hook_finalize_model_grads() -> bool:
+    """Installs :class:`_FinalizeWithRelease` on ``ModelParallelConfig``; False where the field does not exist."""
+    from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: PLC0415
+
+    if _FINALIZE not in getattr(ModelParallelConfig, "__dataclass_fields__", {}):
+        return False
+    current = ModelParallelConfig.__dict__.get(_FINALIZE)
+    if not getattr(current, "_deepepv2_plugin", False):
+        setattr(ModelParallelConfig, _FINALIZE, _FinalizeWithRelease(current))
+    return True
 
 
 def _replace_function(module_names: list[str], name: str, make_wrapper: Callable[[Callable], Callable]) -> bool:
@@ -466,6 +571,8 @@ def install() -> InstallReport:
         report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
         _patch_moe_layer_expert_check()
         report.patches.append("MoELayer.__init__ builds the experts setting's module and checks no-host-sync support")
+        if _hook_finalize_model_grads():
+            report.patches.append("config.finalize_model_grads_func releases retired deepepv2 buffers after it runs")
         for modules, name, make_wrapper, description in _FUNCTION_PATCHES:
             if _replace_function(modules, name, make_wrapper):
                 report.patches.append(description)

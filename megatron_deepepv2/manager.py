@@ -17,16 +17,21 @@ counts (:mod:`megatron_deepepv2.experts`).
 Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and are not sent.
 
 Receive bound (``--moe-expert-rank-capacity-factor``): the experts get at most
-:meth:`_DeepepV2Manager.receive_bound` rows, a static size (what a CUDA graph of the no-host-sync mode wants)
-instead of the dispatch's worst case; rows past it are dropped, counted on the device (``dropped_rows``) and
-flagged in ``over_budget`` (Megatron's ``check_over_budget`` / ``reset_over_budget``), as HybridEP's budget does.
+:meth:`_DeepepV2Manager.receive_bound` rows -- HybridEP's budget, ``align(int(T * K * factor), alignment)`` for the
+``T`` tokens this rank dispatches -- a static size (what a CUDA graph of the no-host-sync mode wants) instead of the
+dispatch's worst case. Rows past it are dropped, the dropped selections counted on the device (``dropped_rows``) and
+flagged in ``over_budget``, which Megatron's ``check_over_budget`` reads and ``reset_over_budget`` clears with the
+count. Megatron's over-budget rerun (``PagedStashRunner``) sets ``moe_expert_rank_capacity_factor`` to None for a
+dropless rerun and restores it from the config, as for HybridEP. The kept rows are copied out of the worst-case
+receive (:class:`_KeepRows`), so the experts save bound-sized tensors for backward and the worst-case tensor lives only
+until :class:`_RestoreRows` reuses it as the combine's input; the backward reuses the combine backward's gradient the
+same way when nothing else holds it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,10 +92,12 @@ class _DeepepV2Manager(_DeepepManager):
         self.permute_fusion = config.moe_permute_fusion
         self.dispatch_config = dispatch_config_for(config)  # fails early for an explicit backend
         self.dispatcher = self.dispatch_config.dispatcher(group, num_experts)
-        self.rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
+        #: Megatron's name and semantics (HybridEP's manager): None = dropless. Megatron's over-budget rerun sets it to
+        #: None for the rerun and restores it from ``config.moe_expert_rank_capacity_factor``; read at every dispatch.
+        self.moe_expert_rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
         # Megatron's budget hooks (check_over_budget / reset_over_budget) look for `over_budget` with hasattr: it
         # and `dropped_rows` exist only with a bound, from its first dispatch on (on that dispatch's device).
-        self._bounded_rows: Optional[tuple[int, int]] = None
+        self._bound_slot: Optional[_BoundSlot] = None
 
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
@@ -157,48 +164,66 @@ class _DeepepV2Manager(_DeepepManager):
             self.tokens_per_expert = torch.tensor(self.handle.tokens_per_expert_list, dtype=torch.int64)
         else:
             self.tokens_per_expert = self.handle.tokens_per_expert
-        self._bounded_rows = None
-        if self.rank_capacity_factor is not None:
+        self._bound_slot = None
+        if self.moe_expert_rank_capacity_factor is not None:
             return self._apply_receive_bound(recv_x, self.handle)
         return recv_x
 
     def receive_bound(self, handle: DispatchHandle) -> int:
-        """Rows the experts receive at most under ``moe_expert_rank_capacity_factor``.
+        """Rows the experts receive at most under ``moe_expert_rank_capacity_factor``: HybridEP's budget.
 
-        ``align(ceil(T_max * K * factor) + E_local * (alignment - 1), alignment)``: the factor times the receive of
-        a balanced router (every rank gets ``T_max * K`` selections), plus the worst-case block padding; never more
-        than the dispatch's rows. Static for a given buffer, so a CUDA graph sees fixed shapes.
+        ``align(int(T * K * factor), alignment)``, never more than the dispatch's rows: ``T`` is the tokens this rank
+        dispatched (``handle.num_tokens``), ``K`` the top-k over the TPxEP group (``tp x moe_router_topk``, the
+        selections each token sends; HybridEP's formula reads ``moe_router_topk``, the same at expert TP 1) and the
+        alignment the experts' (``get_align_size_for_quantization``, at least 1). The expert blocks' padding counts
+        against the budget, as in HybridEP's permuted buffer. Static for a given token count, so a CUDA graph sees
+        fixed shapes.
+
+        Args:
+            handle: The dispatch's handle.
+
+        Returns:
+            The bound, in rows.
         """
-        alignment = self.dispatch_config.expert_alignment
-        selections = math.ceil(handle.backend.spec.num_max_tokens_per_rank * self.router_topk * self.rank_capacity_factor)
-        rows = selections + self.num_local_experts * (alignment - 1)
-        return min(align_up(rows, alignment), handle.num_recv_rows)
+        budget = int(handle.num_tokens * self.router_topk * self.moe_expert_rank_capacity_factor)
+        return min(align_up(budget, self.dispatch_config.expert_alignment), handle.num_recv_rows)
 
     def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Hands the experts the first :meth:`receive_bound` rows; rows past it are dropped and counted.
+        """Hands the experts a copy of the first :meth:`receive_bound` rows; rows past it are dropped and counted.
 
         A dropped row's expert output is zero (it contributes nothing to its token, as a capacity drop) and its
-        probability gets no gradient. ``dropped_rows`` accumulates the dropped rows (selections and their block
-        padding) and ``over_budget`` turns True, both on the device, until ``reset_over_budget``; without host
-        sync nothing here reads the device.
+        probability gets no gradient. ``dropped_rows`` accumulates the dropped selections -- rows past the bound with
+        a nonzero probability (padding rows have probability zero; so would a selection the router gave exactly
+        zero) -- and ``over_budget`` turns True, both on the device, until ``reset_over_budget``; without host sync
+        nothing here reads the device (the count is two small kernels over the dropped rows' probabilities).
         """
         bound = self.receive_bound(handle)
         device = recv_x.device
         if not hasattr(self, "over_budget"):
             self.over_budget = torch.zeros(1, dtype=torch.bool, device=device)
             self.dropped_rows = torch.zeros(1, dtype=torch.int64, device=device)
-        if bound >= handle.num_recv_rows:
+        num_rows = handle.num_recv_rows
+        if bound >= num_rows:
             return recv_x  # the dispatch's rows fit: nothing to bound
         counts = self.tokens_per_expert
         ends = torch.cumsum(counts, 0)
-        kept = (ends.clamp(max=bound) - (ends - counts)).clamp(min=0)  # each expert block cut at the bound
-        dropped = (counts.sum() - kept.sum()).to(device=device).reshape(1)
+        self.tokens_per_expert = (ends.clamp(max=bound) - (ends - counts)).clamp(min=0)  # blocks cut at the bound
+        selected = self.dispatched_probs[bound:] != 0
+        if not self.host_sync:  # rows past the valid ones are unspecified
+            rows = torch.arange(bound, num_rows, device=selected.device)
+            selected &= rows < handle.num_valid_rows.to(selected.device)
+        dropped = selected.sum().to(device=device, dtype=torch.int64).reshape(1)
         self.dropped_rows += dropped
         self.over_budget |= dropped > 0
-        self.tokens_per_expert = kept
-        self.dispatched_probs = self.dispatched_probs[:bound]
-        self._bounded_rows = (bound, handle.num_recv_rows)
-        return recv_x[:bound]
+        slot = self._bound_slot = _BoundSlot(bound, num_rows)
+        kept_x, self.dispatched_probs = _KeepRows.apply(recv_x, self.dispatched_probs, slot)
+        return kept_x
+
+    def reset_over_budget(self) -> None:
+        """Clears ``over_budget`` and ``dropped_rows`` (Megatron's ``reset_over_budget`` of the dispatcher calls it)."""
+        if hasattr(self, "over_budget"):
+            self.over_budget.fill_(False)
+            self.dropped_rows.zero_()
 
     @property
     def host_sync(self) -> bool:
@@ -219,11 +244,11 @@ class _DeepepV2Manager(_DeepepManager):
         return hidden_states, probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`get_permuted_hidden_states_by_experts`: an identity, but for the rows a receive bound
-        dropped (zero rows again, so combine sees the dispatch's row count)."""
-        if self._bounded_rows is not None:
-            bound, num_rows = self._bounded_rows
-            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, num_rows - bound))
+        """Inverse of :meth:`get_permuted_hidden_states_by_experts`: an identity, but after a receive bound, which
+        dropped rows: the experts' rows go back into the dispatch's worst-case tensor, zero past the bound, so combine
+        sees the dispatch's row count (no new worst-case tensor: see :class:`_RestoreRows`)."""
+        if self._bound_slot is not None:
+            hidden_states = _RestoreRows.apply(hidden_states, self._bound_slot)
         return hidden_states
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
@@ -253,5 +278,97 @@ class _DeepepV2Manager(_DeepepManager):
         self.handle = None
         self.dispatched_indices = None
         self.dispatched_probs = None
-        self._bounded_rows = None
+        self._bound_slot = None
         return combined
+
+
+class _BoundSlot:
+    """One bounded dispatch's worst-case tensors, handed from :class:`_KeepRows` to :class:`_RestoreRows` in forward
+    and back in backward (each call its own slot: micro-batches in flight do not share one).
+
+    Attributes:
+        bound: Rows the experts keep.
+        num_rows: Rows of the dispatch (its worst case without host sync).
+        buffer: Forward: the dispatch's worst-case receive (detached) until the restore reuses it.
+        grad: Backward: the combine backward's worst-case gradient, for the dispatch backward to reuse.
+    """
+
+    __slots__ = ("bound", "num_rows", "buffer", "grad")
+
+    def __init__(self, bound: int, num_rows: int) -> None:
+        self.bound = bound
+        self.num_rows = num_rows
+        self.buffer: Optional[torch.Tensor] = None
+        self.grad: Optional[torch.Tensor] = None
+
+
+def _only_holder(tensor: torch.Tensor) -> bool:
+    """Whether nothing but ``tensor`` (and its base, if it is a view) holds its storage: no other tensor or view of
+    it is alive anywhere. A host-side count; False where this PyTorch cannot count."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = tensor.untyped_storage()
+    # Holders: ``tensor``, the ``storage`` object just made, and the base a view keeps alive.
+    return use_count(storage._cdata) == 2 + (tensor._base is not None)
+
+
+class _KeepRows(torch.autograd.Function):
+    """Forward: copies of the first ``slot.bound`` received rows and probabilities, what the experts keep for
+    backward; the worst-case receive goes into ``slot.buffer`` for :class:`_RestoreRows` (and is freed after it).
+
+    Backward: the worst-case gradient the dispatch backward reads, the kept rows' gradients and zeros past the
+    bound. It is the combine backward's gradient that :class:`_RestoreRows` left in the slot when no view of it is
+    still alive (the experts' backward is done; a delayed weight gradient may still hold one), else a new tensor.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, recv_x: torch.Tensor, probs: torch.Tensor, slot: _BoundSlot):  # type: ignore[override]
+        bound = slot.bound
+        slot.buffer = recv_x.detach()
+        ctx.slot = slot
+        ctx.set_materialize_grads(False)
+        return recv_x[:bound].clone(), probs[:bound].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: Optional[torch.Tensor], grad_probs: Optional[torch.Tensor]):
+        slot: _BoundSlot = ctx.slot
+        bound, num_rows = slot.bound, slot.num_rows
+        full_x = slot.grad
+        slot.grad = None
+        if grad_x is not None:
+            if full_x is None or full_x.dtype != grad_x.dtype or not _only_holder(full_x):
+                full_x = grad_x.new_empty((num_rows, grad_x.shape[1]))
+            full_x[:bound].copy_(grad_x)
+            full_x[bound:].zero_()
+        else:
+            full_x = None
+        full_probs = None
+        if grad_probs is not None:  # 1-D, 4 bytes a row: a new tensor costs little
+            full_probs = grad_probs.new_zeros((num_rows,))
+            full_probs[:bound].copy_(grad_probs)
+        return full_x, full_probs, None
+
+
+class _RestoreRows(torch.autograd.Function):
+    """Forward: the experts' ``[bound, H]`` output written into the dispatch's worst-case receive (which nothing reads
+    any more), zeros past the bound: combine's input, without a new worst-case tensor. Backward: the combine
+    backward's gradient of the kept rows (a view), the whole gradient left in the slot for :class:`_KeepRows`."""
+
+    @staticmethod
+    def forward(ctx: Any, expert_out: torch.Tensor, slot: _BoundSlot):  # type: ignore[override]
+        buffer, bound = slot.buffer, slot.bound
+        slot.buffer = None
+        if buffer is None or buffer.dtype != expert_out.dtype or buffer.shape[1] != expert_out.shape[1]:
+            # Restored twice, or the experts changed the dtype or width: a new tensor, as a pad would make.
+            buffer = expert_out.new_empty((slot.num_rows, expert_out.shape[1]))
+        buffer[:bound].copy_(expert_out)
+        buffer[bound:].zero_()
+        ctx.slot = slot
+        return buffer
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        slot: _BoundSlot = ctx.slot
+        slot.grad = grad
+        return grad[:slot.bound], None

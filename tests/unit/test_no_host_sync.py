@@ -9,6 +9,7 @@ raise, so a host read anywhere on the deepepv2 path fails the test.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
@@ -377,8 +378,9 @@ def _bounded_layer(rank: int, world: int, factor: float) -> dict:
     bounded = build_moe_layer(TinyMoEConfig(**BOUND_SHAPE, extra={"moe_expert_rank_capacity_factor": factor}),
                               "deepepv2", sync_free_experts=True)
     bounded.load_state_dict(plain.state_dict())
-    expected_bound = -(-BOUND_CAPACITY * BOUND_SHAPE["topk"] * factor // 1)  # alignment 1: ceil(T_max * K * f)
-    x = torch.randn([12, 5][rank], 1, 32, generator=torch.Generator().manual_seed(rank))
+    tokens = [12, 5][rank]
+    expected_bound = min(int(tokens * BOUND_SHAPE["topk"] * factor), 96)  # HybridEP's budget int(T * K * f), align 1
+    x = torch.randn(tokens, 1, 32, generator=torch.Generator().manual_seed(rank))
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(50 + rank))
     for layer in (plain, bounded):
         layer(x)[0].sum().backward()  # builds the buffer outside the checked region
@@ -418,35 +420,31 @@ def _bounded_layer(rank: int, world: int, factor: float) -> dict:
         "worst_rows": rows_seen[0],
         "valid_rows": valid_rows[0],
         "expert_rows": expert_rows,
-        "bound": manager.receive_bound(manager_handle_stub(manager, rows_seen[0])),
+        "bound": manager.receive_bound(SimpleNamespace(num_tokens=tokens, num_recv_rows=rows_seen[0])),
         "expected_bound": int(expected_bound),
         "dropped": int(manager.dropped_rows) - dropped_before,
         "over_budget": bool(bounded.token_dispatcher.check_over_budget()),
     }
 
 
-def manager_handle_stub(manager, num_recv_rows: int):
-    """What receive_bound reads of a handle: the buffer's capacity and the dispatch's rows."""
-    from types import SimpleNamespace
-
-    spec = SimpleNamespace(num_max_tokens_per_rank=BOUND_CAPACITY)
-    return SimpleNamespace(backend=SimpleNamespace(spec=spec), num_recv_rows=num_recv_rows)
-
-
 @needs_rank_capacity_factor
 def test_receive_bound_hands_experts_fewer_rows_and_drops_nothing_that_fits() -> None:
-    for report in run_distributed(_bounded_layer, 2, 1.0, timeout=180):
-        assert report["worst_rows"] == 96 and report["expert_rows"] == report["expected_bound"] == 48, report
-        assert report["valid_rows"] <= 48 and report["dropped"] == 0 and not report["over_budget"], report
+    reports = run_distributed(_bounded_layer, 2, 3.0, timeout=180)
+    assert [r["expected_bound"] for r in reports] == [96, 45]  # rank 1: int(5 tokens x 3 x 3.0) < 96 rows
+    for report in reports:
+        assert report["worst_rows"] == 96 and report["expert_rows"] == report["expected_bound"] == report["bound"]
+        assert report["valid_rows"] <= report["bound"] and report["dropped"] == 0, report
+        assert not report["over_budget"], report
 
 
 @needs_rank_capacity_factor
 def test_receive_bound_drops_rows_past_it_counts_them_and_flags_over_budget() -> None:
     reports = run_distributed(_bounded_layer, 2, 0.25, timeout=180)
-    assert any(r["valid_rows"] > 12 for r in reports)  # the case exercises a drop
+    assert [r["bound"] for r in reports] == [9, 3]  # int(T x 3 x 0.25) for T = 12, 5
+    assert any(r["valid_rows"] > r["bound"] for r in reports)  # the case exercises a drop
     for report in reports:
-        assert report["expert_rows"] == report["bound"] == 12, report
-        assert report["dropped"] == max(report["valid_rows"] - 12, 0), report
+        assert report["expert_rows"] == report["bound"] == report["expected_bound"], report
+        assert report["dropped"] == max(report["valid_rows"] - report["bound"], 0), report  # alignment 1: no padding
         assert report["over_budget"] is (report["dropped"] > 0), report
 
 
