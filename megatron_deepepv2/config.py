@@ -41,8 +41,9 @@ _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 _ALIASES = {_ENV_PREFIX + "MAX_TOKENS_PER_RANK": "num_max_tokens_per_rank"}
 #: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
 #: about: the test suite's Megatron-LM tree with a native deepepv2 (tests/unit/test_native_megatron.py) and the DeepEP
-#: and NCCL trees of the README's GPU test (tests/unit/test_readme.py).
-OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES")
+#: and NCCL trees of the README's GPU test (tests/unit/test_readme.py); and the node identity of
+#: :mod:`megatron_deepepv2.topology`, which differs per node and so is read there, not as a setting.
+OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES", "MEGATRON_DEEPEPV2_NODE_ID")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
