@@ -287,9 +287,10 @@ def _two_unrelated_failures(rank: int, world: int) -> dict:
 def test_each_failure_is_reported_with_its_own_cause() -> None:
     """A peer's failure names the announcements of the call it failed in, not one left from an earlier failure."""
     outcomes = run_distributed(_two_unrelated_failures, 4, env=DEFAULT_ENV, timeout=90)
-    # (The ranks that time out waiting announce that too: the reports list them beside the cause.)
+    # The ranks that stop waiting announce that too, as a consequence: the reports name only the cause.
     for rank in (0, 1, 2):
         assert "rank 3: ValueError" in outcomes[rank][2] and "outside [-1, 8)" in outcomes[rank][2], outcomes[rank]
+        assert "Rank(s) [3] of the expert-parallel group failed in this call" in outcomes[rank][2], outcomes[rank]
     for rank in (0, 2):
         assert "rank 1: TypeError" in outcomes[rank][3] and "x has dtype torch.int32" in outcomes[rank][3]
         assert "rank 3:" not in outcomes[rank][3] and "outside [-1, 8)" not in outcomes[rank][3], outcomes[rank][3]
