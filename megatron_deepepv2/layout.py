@@ -3,6 +3,7 @@
 * :class:`ExpertLayout` -- DeepEP v2's two receive layouts, ``compact`` and ``expand``;
 * :func:`align_up` -- the one align-up of the package;
 * :func:`worst_case_recv_rows` -- the rows a dispatch without host sync allocates;
+* :func:`receive_bound_rows` -- the rows a receive bound (``moe_expert_rank_capacity_factor``) lets the experts keep;
 * :func:`rows_past_valid` -- the one predicate for rows that hold no data in such a dispatch's output.
 """
 
@@ -92,3 +93,19 @@ def worst_case_recv_rows(
     rows = group_size * num_max_tokens_per_rank * min(num_topk, num_local_experts)
     rows += (expert_alignment - 1) * num_local_experts
     return align_up(rows, expert_alignment)
+
+
+def receive_bound_rows(num_tokens: int, num_topk: int, rank_capacity_factor: float, expert_alignment: int = 1) -> int:
+    """HybridEP's receive budget: the rows the experts of a rank get at most under Megatron's
+    ``moe_expert_rank_capacity_factor``, block padding included.
+
+    Args:
+        num_tokens: Tokens the rank dispatched (``T``).
+        num_topk: Selections each token sends (``K``, the top-k over the TPxEP group).
+        rank_capacity_factor: The factor (``F`` > 0).
+        expert_alignment: Expand-layout block alignment.
+
+    Returns:
+        ``align(int(T * K * F), alignment)``.
+    """
+    return align_up(int(num_tokens * num_topk * rank_capacity_factor), expert_alignment)

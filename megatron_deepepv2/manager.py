@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
 
 from megatron_deepepv2 import ops
 from megatron_deepepv2.backends import DispatchHandle
-from megatron_deepepv2.layout import align_up
+from megatron_deepepv2.layout import receive_bound_rows
 from megatron_deepepv2.policy import dispatch_config_for
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,9 @@ class _DeepepV2Manager(_DeepepManager):
         Returns:
             The bound, in rows.
         """
-        budget = int(handle.num_tokens * self.router_topk * self.moe_expert_rank_capacity_factor)
-        return min(align_up(budget, self.dispatch_config.expert_alignment), handle.num_recv_rows)
+        bound = receive_bound_rows(handle.num_tokens, self.router_topk, self.moe_expert_rank_capacity_factor,
+                                   self.dispatch_config.expert_alignment)
+        return min(bound, handle.num_recv_rows)
 
     def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Hands the experts a copy of the first :meth:`receive_bound` rows; rows past it are dropped and counted.

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_deepepv2.layout import ExpertLayout, align_up, worst_case_recv_rows
+from megatron_deepepv2.layout import ExpertLayout, align_up, receive_bound_rows, worst_case_recv_rows
 
 #: DeepEP's symmetric-memory alignment of a buffer size (2 MiB).
 BUFFER_ALIGNMENT = 2 * 1024 * 1024
@@ -211,8 +211,9 @@ class LayerMemory:
     Attributes:
         buffer: The communication buffer (one per process group and shape key, shared by alike layers).
         received: The received rows the experts keep for backward (bound rows with a receive bound).
-        transient: The dispatch's own output while the call runs (the worst case without host sync; freed once a
-            receive bound copied its rows out, else the same tensor as ``received``).
+        transient: The dispatch's own output, alive from the dispatch to the layer's combine (the worst case without
+            host sync); without a receive bound it is the same tensor as ``received``, with one the experts keep a
+            bound-sized copy for backward instead.
     """
 
     buffer: int
@@ -221,8 +222,8 @@ class LayerMemory:
 
     @property
     def peak(self) -> int:
-        """Bytes held while the dispatch runs: the buffer, the dispatch's output and, when a receive bound copies rows
-        out of it, the copy."""
+        """Bytes held between the layer's dispatch and combine: the buffer, the dispatch's output and, with a receive
+        bound, the experts' copy of the kept rows."""
         return self.buffer + self.transient + (self.received if self.received < self.transient else 0)
 
     @property
@@ -263,8 +264,7 @@ def layer_memory(*, group_size: int, num_max_tokens_per_rank: int, hidden: int, 
     output_rows = balanced if host_sync else worst
     kept_rows = output_rows
     if rank_capacity_factor is not None:
-        bound = align_up(math.ceil(num_max_tokens_per_rank * num_topk * rank_capacity_factor) + padding,
-                         expert_alignment)
-        kept_rows = min(bound, output_rows)
+        kept_rows = min(receive_bound_rows(num_max_tokens_per_rank, num_topk, rank_capacity_factor, expert_alignment),
+                        output_rows)
     buffer = calculated_buffer_bytes(num_max_tokens_per_rank, hidden, num_topk, False, topology)
     return LayerMemory(buffer=buffer, received=kept_rows * row_bytes, transient=output_rows * row_bytes)
