@@ -73,6 +73,20 @@ def _step(x, idx, w, config) -> None:
     y.sum().backward()
 
 
+def _stay_until_the_peers_report(rank: int, world: int, bad_rank: int) -> None:
+    """Keeps the failing rank's process (and its connections) up until every peer has raised: a peer must learn of the
+    failure from the announcement, not from the failing process's exit closing the connections."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank != bad_rank:
+        store.add("test_failures/reported", 1)
+        return
+    deadline = time.monotonic() + 30
+    while store.add("test_failures/reported", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _fail_once(rank: int, world: int, where: str, bad_rank: int, peers_time_out: bool) -> tuple[str, str, float]:
     cls = TimeoutStandIn if peers_time_out else ReferenceBackend
     config = dv2.DispatchConfig.resolve(backend=cls)
@@ -90,8 +104,11 @@ def _fail_once(rank: int, world: int, where: str, bad_rank: int, peers_time_out:
             _install(cls, "combine", action)
         y.sum().backward()
     except Exception as error:  # noqa: BLE001 - returned to the test
-        return type(error).__name__, str(error), time.monotonic() - started
-    return "no error", "", time.monotonic() - started
+        outcome = type(error).__name__, str(error), time.monotonic() - started
+    else:
+        outcome = "no error", "", time.monotonic() - started
+    _stay_until_the_peers_report(rank, world, bad_rank)
+    return outcome
 
 
 def _check(outcomes: list, where: str, bad_rank: int) -> None:
