@@ -118,9 +118,6 @@ _polled: dict[dist.ProcessGroup, bool] = {}
 #: How long a polling wait first blocks on the collective before it looks at the store, and the longest it blocks
 #: between two looks (the interval doubles): a collective that completes in time costs no store access at all.
 _FIRST_POLL_S, _LONGEST_POLL_S = 0.002, 0.05
-#: How long a rank that sees a peer at a build it did not start still waits for its own collective to complete
-#: (a peer that finished this collective first may already have moved on to the next call's build).
-_BUILD_GRACE_S = 0.25
 
 
 def count_call(group: dist.ProcessGroup) -> None:
@@ -259,23 +256,27 @@ def begin_build(group: dist.ProcessGroup, reason: str) -> str:
     store = _store()
     if store is not None:
         try:
-            store.set(f"{_BUILD_REASON_PREFIX}/{_group_tag(group)}/{build}/{dist.get_rank()}", reason)
+            store.set(f"{_BUILD_REASON_PREFIX}/{_group_tag(group)}/{build}/{dist.get_rank()}",
+                      f"{_calls.get(group, 0)}|{reason}")
         except Exception:  # noqa: BLE001 - best effort: the rendezvous says whether the ranks came
             pass
     return f"build-{build}"
 
 
 def pending_builds(group: dist.ProcessGroup) -> dict[int, str]:
-    """The peers of ``group`` waiting at a buffer build this rank has not started (global rank -> their reason).
+    """The peers of ``group`` waiting, in this rank's current call, at a buffer build this rank has not started
+    (global rank -> their reason).
 
-    The builds of a group are collective and counted alike on every rank, so a peer at build ``n + 1`` while this
-    rank has started ``n`` waits for this rank there: this rank did not need the build (its batch fit the capacity, or
-    it dispatches another shape) and went on to communicate, where that peer will not join it.
+    The builds of a group are collective and counted alike on every rank, so a peer at build ``n + 1`` of this call
+    while this rank has started ``n`` waits for this rank there: this rank did not need the build (its batch fit the
+    capacity, or it dispatches another shape) and went on to communicate, where that peer will not join it. A peer at
+    that build in a later call is left out: it has done its part of this rank's call.
     """
     store = _store()
     if store is None:
         return {}
     build = _builds.get(group, 0) + 1
+    call = str(_calls.get(group, 0))
     waiting = {}
     try:
         if not store.check([_rendezvous_key(group, f"build-{build}")]):
@@ -284,7 +285,9 @@ def pending_builds(group: dist.ProcessGroup) -> dict[int, str]:
         for rank in dist.get_process_group_ranks(group):
             key = f"{_BUILD_REASON_PREFIX}/{tag}/{build}/{rank}"
             if rank != dist.get_rank() and store.check([key]):
-                waiting[rank] = store.get(key).decode(errors="replace")
+                build_call, _, reason = store.get(key).decode(errors="replace").partition("|")
+                if build_call == call:
+                    waiting[rank] = reason
     except Exception:  # noqa: BLE001 - the store's host may be the rank that failed
         return waiting
     return waiting
@@ -368,13 +371,11 @@ def run_collective(collective: Callable, *args, group: dist.ProcessGroup, **kwar
             continue
         try:
             failed = store.check([_call_flag(group)])
-            building = not failed and store.check([_rendezvous_key(group, f"build-{_builds.get(group, 0) + 1}")])
+            waiting = not failed and pending_builds(group)
         except Exception:  # noqa: BLE001 - the store's host is gone: its process exits, which fails the collective
             store = None
             continue
-        if building and _waited(work, _BUILD_GRACE_S):
-            return
-        if failed or building:
+        if failed or waiting:
             name = getattr(collective, "__name__", "a collective")
             raise peer_failure(RuntimeError(
                 f"stopped waiting for them in {name}; that communication cannot complete, so the expert-parallel "
