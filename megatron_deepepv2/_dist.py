@@ -343,15 +343,24 @@ def _polls(group: dist.ProcessGroup) -> bool:
     return polled
 
 
-def run_collective(collective: Callable, *args, group: dist.ProcessGroup, **kwargs) -> None:
+def run_collective(collective: Callable, *args, group: dist.ProcessGroup, exchange: bool = False, **kwargs) -> None:
     """Runs the ``torch.distributed`` function ``collective(*args, group=group, **kwargs)`` to completion.
 
     Over a CPU (gloo) group it is issued asynchronously and waited for in slices (2 ms, doubling to 50 ms); between
-    slices the store is read for a peer's failure in the current call (:func:`announce_failure`) or a peer waiting at
-    a build this rank did not start (:func:`pending_builds`), and then a :class:`PeerFailure` naming them is raised
-    within milliseconds, instead of waiting until the process group's timeout. A collective that completes within
-    the first slice reads nothing. Over other groups (NCCL: the wait is the stream's, no host sync) ``collective`` runs
-    as it is.
+    slices the store is read for a peer's failure in the current call (:func:`announce_failure`) and, in an exchange,
+    for a peer waiting at a build this rank did not start (:func:`pending_builds`); then a :class:`PeerFailure` naming
+    them is raised within milliseconds, instead of waiting until the process group's timeout. A collective that
+    completes within the first slice reads nothing. Over other groups (NCCL: the wait is the stream's, no host sync)
+    ``collective`` runs as it is.
+
+    Args:
+        collective: A ``torch.distributed`` collective taking ``group`` and ``async_op``.
+        *args: Its positional arguments.
+        group: The process group.
+        exchange: The collective is a dispatch's or combine's exchange: the call's buffer build, if any, is behind
+            every rank that reaches it, so a peer at a build of this call is one this rank did not need. (Collectives
+            before the build point, e.g. the agreement of ``validate``, leave this False: peers may be past them.)
+        **kwargs: Its other keyword arguments.
 
     Raises:
         PeerFailure: A peer failed in this call, or waits at a build (the group is unusable after it).
@@ -371,7 +380,7 @@ def run_collective(collective: Callable, *args, group: dist.ProcessGroup, **kwar
             continue
         try:
             failed = store.check([_call_flag(group)])
-            waiting = not failed and pending_builds(group)
+            waiting = exchange and not failed and pending_builds(group)
         except Exception:  # noqa: BLE001 - the store's host is gone: its process exits, which fails the collective
             store = None
             continue

@@ -451,6 +451,8 @@ def dispatch(
         TypeError, ValueError: Bad input or settings, raised before any communication (with the ``validate``
             setting on, on every rank of the group; see :mod:`megatron_deepepv2.validation`).
         ImportError: An explicitly requested backend cannot run here.
+        PeerFailure: A RuntimeError naming each peer of the group that failed in this call (or waits at a buffer
+            build this rank did not need) and its error; the group is unusable after it (see :func:`peer_failure`).
     """
     if config is None:
         config = _config_for(settings)
@@ -510,6 +512,7 @@ def combine(
 
     Raises:
         TypeError, ValueError: If ``x`` does not fit ``handle`` or the backend (with ``validate``, on every rank).
+        PeerFailure: A peer failed in this call; see :func:`dispatch`.
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")

@@ -157,7 +157,7 @@ def _unpack(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
 
 def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     received = rows.new_empty((sum(recv_splits), rows.shape[1]))
-    run_collective(dist.all_to_all_single, received, rows, recv_splits, send_splits, group=group)
+    run_collective(dist.all_to_all_single, received, rows, recv_splits, send_splits, group=group, exchange=True)
     return received
 
 
@@ -450,7 +450,7 @@ class ReferenceBackend(DispatchBackend):
             The transport, the received tensors and their row count as a 0-dim device tensor.
         """
         recv_counts = torch.empty_like(send_counts)
-        run_collective(dist.all_to_all_single, recv_counts, send_counts, group=self.group)
+        run_collective(dist.all_to_all_single, recv_counts, send_counts, group=self.group, exchange=True)
         send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()
         transport = _Transport(send_splits, recv_splits)
         received = transport.send(payload, self.group)

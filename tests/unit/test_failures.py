@@ -184,16 +184,18 @@ def test_a_rank_that_exceeds_the_capacity_alone_fails_fast_and_named_on_every_ra
 
 
 # ---------------------------------------------------------------- no false alarm when ranks grow together
-def _linger_then_grow(rank: int, world: int) -> tuple[int, bool]:
-    """Rank 1 lingers in the last collective of a dispatch (its data has arrived) while rank 0 goes on to the next
-    call, which grows the buffer on every rank: rank 1 sees rank 0 at a build it has not started, but of a later call,
-    which is no reason to stop."""
+def _linger_then_grow(rank: int, world: int, in_agreement: bool) -> tuple[int, bool]:
+    """Rank 1 lingers in a collective whose data has arrived while rank 0 goes on to a build, and grows the buffer
+    with it: rank 1 sees rank 0 at a build it has not started, which is no reason to stop. Either the collective is
+    the last of a dispatch and the build is the next call's, or (``validate``) it is the agreement before the build
+    of the same call."""
     import pytest
     import torch.distributed as dist
 
-    config = dv2.DispatchConfig.resolve(backend=ReferenceBackend)
+    config = dv2.DispatchConfig.resolve(backend=ReferenceBackend, validate=in_agreement)
     _step(*_inputs(rank), config)  # capacity 8
     group, store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
+    lingering_in = 1 if in_agreement else 2  # the growing dispatch's agreement, or the dispatch before's rows exchange
     saw_the_build = []
     with pytest.MonkeyPatch.context() as patch:
         if rank == 1:
@@ -203,7 +205,7 @@ def _linger_then_grow(rank: int, world: int) -> tuple[int, bool]:
             def linger(work, timeout_s: float) -> bool:
                 if not works or works[-1] is not work:
                     works.append(work)
-                if len(works) == 2 and not saw_the_build:  # the dispatch's second (last) collective: its rows
+                if len(works) == lingering_in and not saw_the_build:
                     deadline = time.monotonic() + 20
                     build = _dist._rendezvous_key(group, f"build-{_dist._builds[group] + 1}")
                     while not store.check([build]) and time.monotonic() < deadline:
@@ -213,11 +215,13 @@ def _linger_then_grow(rank: int, world: int) -> tuple[int, bool]:
                 return waited(work, timeout_s)
 
             patch.setattr(_dist, "_waited", linger)
-        dv2.dispatch(*_inputs(rank)[:2], None, E, config=config)
-    grown = dv2.dispatch(*_inputs(rank, 20), E, config=config)  # every rank exceeds: they grow together
+        if not in_agreement:
+            dv2.dispatch(*_inputs(rank)[:2], None, E, config=config)
+        grown = dv2.dispatch(*_inputs(rank, 20), E, config=config)  # every rank exceeds: they grow together
     return grown.handle.backend.spec.num_max_tokens_per_rank, bool(saw_the_build and saw_the_build[0])
 
 
-def test_a_rank_still_finishing_a_call_while_its_peer_grows_in_the_next_raises_nothing() -> None:
-    outcomes = run_distributed(_linger_then_grow, 2, env=ENV, timeout=60)
+@pytest.mark.parametrize("in_agreement", [False, True])
+def test_a_rank_still_in_a_collective_while_its_peer_goes_on_to_grow_raises_nothing(in_agreement: bool) -> None:
+    outcomes = run_distributed(_linger_then_grow, 2, in_agreement, env=ENV, timeout=60)
     assert outcomes == [(32, False), (32, True)], outcomes
