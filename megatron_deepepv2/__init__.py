@@ -6,7 +6,9 @@ Public API:
 * :class:`ExpertLayout`, :class:`DispatchHandle` -- layouts and the dispatch handle (:mod:`.backends`);
 * :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
 * :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.integration`);
-* :func:`destroy_buffers` -- release communication buffers before shutdown (:mod:`.buffers`).
+* :func:`destroy_buffers` -- release communication buffers before shutdown, :func:`release_retired_buffers` --
+  release superseded ones once per step (:mod:`.buffers`);
+* :class:`PeerFailure` -- what a rank raises when another rank of its group failed first (:mod:`._dist`).
 """
 
 from megatron_deepepv2.backends import (
@@ -16,7 +18,8 @@ from megatron_deepepv2.backends import (
     register_backend,
     resolve_backend,
 )
-from megatron_deepepv2.buffers import destroy_buffers
+from megatron_deepepv2._dist import PeerFailure
+from megatron_deepepv2.buffers import destroy_buffers, release_retired_buffers
 from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
 from megatron_deepepv2.ops import DispatchConfig, DispatchResult, combine, dispatch
 
@@ -42,6 +45,7 @@ __all__ = [
     "DispatchConfig",
     "DispatchResult",
     "ExpertLayout",
+    "PeerFailure",
     "__version__",
     "backend_names",
     "combine",
@@ -51,6 +55,7 @@ __all__ = [
     "get_settings",
     "install",
     "register_backend",
+    "release_retired_buffers",
     "resolve_backend",
     "settings_override",
 ]

@@ -70,9 +70,9 @@ class DeepepV2Settings:
             assert stops the process instead of corrupting the exchange. On CPU a ValueError. ``validate`` replaces
             it with the agreed host-side check. The Megatron manager's ids come from ``torch.topk`` and are valid by
             construction, so its layers skip this check (``validate`` still runs).
-        growth_timeout_s: How long a rank whose batch exceeds the learnt token capacity waits for the other
-            ranks to grow the buffer with it (they do when their batches exceed it too); past it, the rank raises
-            naming the cause instead of waiting in a collective the others never join.
+        growth_timeout_s: How long a rank waiting at a buffer build (a first build, or a batch above the learnt
+            token capacity) waits for the other ranks, a backstop: peers that did not need the build make it fail
+            within milliseconds over gloo and at DeepEP's timeout over NCCL, every rank naming the rank that grew.
         deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, event waits, ordered
             reductions). The Megatron dispatcher is also deterministic when its config has
             ``deterministic_mode`` (``--deterministic-mode``).
