@@ -108,6 +108,13 @@ KERNELS: tuple[KernelEntry, ...] = (
         kind="torch-op",
     ),
     KernelEntry(
+        name="node_topology",
+        sources=("megatron_deepepv2/topology.py",),
+        exempt_reason="One all_gather_object of node identities per group at the first buffer build: decides DeepEP's "
+        "mode, no data path.",
+        kind="torch-op",
+    ),
+    KernelEntry(
         name="demo",
         sources=("megatron_deepepv2/demo.py",),
         exempt_reason="Demo training loop (broadcast / gradient all-reduce); not library code.",
