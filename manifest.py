@@ -133,7 +133,7 @@ KERNEL_CONTENT_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
         (
             "collective",
             r"\b(dist|torch\s*\.\s*distributed)\s*\.\s*(all_to_all_single|all_to_all|all_reduce|all_gather\w*|"
-            r"reduce_scatter\w*|broadcast|reduce|scatter|gather)\s*\(",
+            r"reduce_scatter\w*|broadcast|reduce|scatter|gather)\s*[(,)]",  # called, or passed to a runner
         ),
         ("scatter-add", r"\.\s*scatter_add_?\s*\("),
         ("index-add", r"\.\s*index_add_?\s*\("),
