@@ -363,7 +363,7 @@ def release_retired_buffers_after(finalize: Callable) -> Callable:
 
     Megatron's schedules call that function once per training step on every rank, after the step's last backward
     (no dispatch handle of the step is alive any more), so the release -- a collective over the groups that have
-    retired buffers, none when none are -- runs at the same point on every rank. It is looked up at call time.
+    retired buffers, none when none are -- runs at the same point on every rank.
 
     Args:
         finalize: The finalize function Megatron would call (its arguments and result pass through).
@@ -375,11 +375,9 @@ def release_retired_buffers_after(finalize: Callable) -> Callable:
     @functools.wraps(finalize)
     def finalize_model_grads(*args, **kwargs):
         result = finalize(*args, **kwargs)
-        from megatron_deepepv2 import buffers  # noqa: PLC0415
+        from megatron_deepepv2 import buffers  # noqa: PLC0415 - looked up at call time (tests replace it)
 
-        release = getattr(buffers, "release_retired_buffers", None)
-        if release is not None:
-            release()
+        buffers.release_retired_buffers()
         return result
 
     finalize_model_grads._deepepv2_plugin = True  # type: ignore[attr-defined]
