@@ -384,6 +384,59 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
 
 
 @case
+def receive_bound_captured_in_a_cuda_graph() -> None:
+    """No host sync with a receive bound that drops rows (``moe_expert_rank_capacity_factor`` 0.75 keeps 3/4 of a
+    balanced receive, and a balanced receive is all of it at EP=1): the layer's forward+backward, with the bound's
+    copy and restore, captures in a CUDA graph on both backends. Reference backend: every replay bitwise equal to
+    eager. DeepEP (an expert's rows arrive in atomic order, so which rows of the block the bound cuts are kept
+    varies): the dropped selections counted and the over-budget flag equal eager's, the output is finite."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig
+
+    if "moe_expert_rank_capacity_factor" not in TransformerConfig.__dataclass_fields__:
+        raise AssertionError("this megatron-core has no moe_expert_rank_capacity_factor (0.19 has)")
+    dv2.install()
+    shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16,
+                          extra={"moe_expert_rank_capacity_factor": 0.75})
+    tokens = 512
+    gen = torch.Generator().manual_seed(200 + RANK)
+    inputs = [torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda() for _ in range(3)]
+    grad = torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
+    for backend in ("reference", "deepep"):
+        layer = _graph_layer(backend, shape, tokens)
+        dispatcher = layer.token_dispatcher
+        manager = dispatcher._comm_manager
+        static_x = inputs[0].clone().requires_grad_()
+        layer_step(layer, static_x, grad)
+        graph, static_y = capture_layer_step(layer, static_x, grad)
+        static_grads = {"output": static_y, "grad_x": static_x.grad}
+        static_grads.update({n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
+        for i, x_new in enumerate(inputs[1:]):
+            dispatcher.reset_over_budget()
+            eager_x = x_new.clone().requires_grad_()
+            eager = _snapshot(layer, eager_x, layer_step(layer, eager_x, grad))
+            eager_dropped = int(manager.dropped_rows)
+            assert eager_dropped > 0 and bool(dispatcher.check_over_budget()), (backend, eager_dropped)
+            dispatcher.reset_over_budget()
+            static_x.data.copy_(x_new)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert int(manager.dropped_rows) == eager_dropped, (backend, int(manager.dropped_rows), eager_dropped)
+            assert bool(dispatcher.check_over_budget()), backend
+            replayed = {name: tensor.detach() for name, tensor in static_grads.items()}
+            if backend == "reference":
+                for name in eager:
+                    exact(f"bounded {backend} replay {i} {name}", replayed[name], eager[name])
+            else:
+                assert all(bool(torch.isfinite(t.float()).all()) for t in replayed.values()), backend
+        log(f"  {backend}: bounded layer captured; replays drop {eager_dropped} selections, as eager")
+        graph = layer = None
+        dv2.destroy_buffers()
+    dv2.configure(no_host_sync=False, num_max_tokens_per_rank=None)
+
+
+@case
 def shared_expert_overlap_matches_serial() -> None:
     """moe_shared_expert_overlap with deepepv2: output and every parameter gradient bitwise equal to the serial run;
     the input gradient equal up to the order of its three bf16 terms (router, routed experts, shared expert).
