@@ -136,6 +136,24 @@ def layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> t
     return output
 
 
+def dispatch_stages(dispatcher, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    """Megatron's three dispatch stages of a token dispatcher, in order (what ``MoELayer`` runs between its router
+    and its experts).
+
+    Args:
+        dispatcher: The layer's ``token_dispatcher``.
+        hidden_states: The layer's input.
+        routing_map: The router's routing map.
+        probs: The router's probabilities.
+
+    Returns:
+        ``(hidden states for the experts, tokens per expert, their probabilities)``.
+    """
+    hidden, probs = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+    hidden, probs = dispatcher.token_dispatch(hidden, probs)
+    return dispatcher.dispatch_postprocess(hidden, probs)
+
+
 def dispatcher_path_step(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """One forward + backward of a MoE layer's dispatcher path alone: router, Megatron's dispatch stages, the
     routing probabilities as identity experts, the combine stages.
@@ -149,9 +167,7 @@ def dispatcher_path_step(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
     """
     dispatcher = layer.token_dispatcher
     probs, routing_map = layer.router(x)
-    hidden, probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
-    hidden, probs = dispatcher.token_dispatch(hidden, probs)
-    hidden, _, probs = dispatcher.dispatch_postprocess(hidden, probs)
+    hidden, _, probs = dispatch_stages(dispatcher, x, routing_map, probs)
     hidden = dispatcher.combine_preprocess(hidden * probs.unsqueeze(1).to(hidden.dtype))
     output = dispatcher.combine_postprocess(dispatcher.token_combine(hidden))
     output.backward(torch.ones_like(output))

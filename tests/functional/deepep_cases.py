@@ -331,6 +331,13 @@ def _graph_layer(backend: str, shape, tokens: int):
     return build_moe_layer(shape, "deepepv2", seed=13, sync_free_experts=True)
 
 
+def _layer_inputs(shape, tokens: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three ``[T, 1, H]`` BF16 inputs of a layer and one output gradient, on the GPU (per rank)."""
+    gen = torch.Generator().manual_seed(seed + RANK)
+    inputs = [torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda() for _ in range(3)]
+    return inputs, torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
+
+
 def _snapshot(layer, x, y):
     return {"output": y.detach().clone(), "grad_x": x.grad.clone(),
             **{n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}}
@@ -347,9 +354,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
     dv2.install()
     shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
     tokens = 512
-    gen = torch.Generator().manual_seed(100 + RANK)
-    inputs = [torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda() for _ in range(3)]
-    grad = torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
+    inputs, grad = _layer_inputs(shape, tokens, seed=100)
     for backend in ("reference", "deepep"):
         layer = _graph_layer(backend, shape, tokens)
         static_x = inputs[0].clone().requires_grad_()
@@ -400,9 +405,7 @@ def receive_bound_captured_in_a_cuda_graph() -> None:
     shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16,
                           extra={"moe_expert_rank_capacity_factor": 0.75})
     tokens = 512
-    gen = torch.Generator().manual_seed(200 + RANK)
-    inputs = [torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda() for _ in range(3)]
-    grad = torch.randn(tokens, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
+    inputs, grad = _layer_inputs(shape, tokens, seed=200)
     for backend in ("reference", "deepep"):
         layer = _graph_layer(backend, shape, tokens)
         dispatcher = layer.token_dispatcher

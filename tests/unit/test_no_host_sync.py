@@ -17,6 +17,7 @@ import torch
 
 import megatron_deepepv2 as dv2
 from megatron_deepepv2.backends import ExpertLayout, worst_case_recv_rows
+from megatron_deepepv2.testing.moe_model import dispatch_stages
 from tests.distributed import run_distributed
 from tests.oracle import dense_moe, experts_on_compact, experts_on_expand, make_problem
 
@@ -223,9 +224,7 @@ def _forward_deepepv2_without_host_reads(layer, x: torch.Tensor) -> torch.Tensor
     probs, routing_map = layer.router(hidden_states)
     dispatcher = layer.token_dispatcher
     with no_host_reads():
-        hidden, probs = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
-        hidden, probs = dispatcher.token_dispatch(hidden, probs)
-        hidden, tokens_per_expert, probs = dispatcher.dispatch_postprocess(hidden, probs)
+        hidden, tokens_per_expert, probs = dispatch_stages(dispatcher, hidden_states, routing_map, probs)
         out, _ = layer.experts(hidden, tokens_per_expert, probs)
         out = dispatcher.combine_preprocess(out)
         out = dispatcher.token_combine(out)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
+from megatron_deepepv2.testing.moe_model import dispatch_stages
 from tests.distributed import run_distributed
 from tests.unit.test_no_host_sync import _per_expert_names, no_host_reads
 
@@ -84,9 +85,7 @@ def _step(layer, x: torch.Tensor, grad: torch.Tensor, hold_expert_grad: bool = F
         probs, routing_map = layer.router(xin)
         dispatcher = layer.token_dispatcher
         with guard():
-            hidden, probs = dispatcher.dispatch_preprocess(xin, routing_map, probs)
-            hidden, probs = dispatcher.token_dispatch(hidden, probs)
-            hidden, tokens_per_expert, probs = dispatcher.dispatch_postprocess(hidden, probs)
+            hidden, tokens_per_expert, probs = dispatch_stages(dispatcher, xin, routing_map, probs)
         record["expert_rows"] = hidden.shape[0]
         record["expert_nbytes"] = hidden.untyped_storage().nbytes()
         record["expert_probs_nbytes"] = probs.untyped_storage().nbytes()
