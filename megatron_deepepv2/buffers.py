@@ -21,8 +21,8 @@ alone: its peers, whose batches fit, are already communicating through the old b
 only a per-call collective could tell them beforehand. Such a rank waits for them at the rendezvous store and leaves
 why there (:func:`~megatron_deepepv2._dist.begin_build`); peers waiting in a gloo exchange see it within
 milliseconds, peers inside DeepEP's kernel when DeepEP's timeout surfaces, and every rank raises naming that rank and
-its token count (``growth_timeout_s`` bounds the wait). Where one rank alone can exceed, configure the true maximum or turn on ``validate`` (its per-call
-all-reduce shares the counts, so the ranks grow in lock-step).
+its token count (``growth_timeout_s`` bounds the wait). Where one rank alone can exceed, configure the true maximum
+or turn on ``validate`` (its per-call all-reduce shares the counts, so the ranks grow in lock-step).
 """
 
 from __future__ import annotations

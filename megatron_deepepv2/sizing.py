@@ -10,7 +10,8 @@ dispatch (its rows are never larger than BF16 ones: DeepEP asserts ``4 * ceil(H 
 This module reproduces the arithmetic (``csrc/elastic/buffer.hpp`` ``get_dispatch_buffer_size`` /
 ``get_combine_buffer_size`` / ``calculate_buffer_size``, ``layout.cuh`` ``TokenLayout`` / ``BufferLayout``) so that the
 sizing of every shape and group size can be checked without a GPU, and memory can be budgeted
-(:func:`layer_memory`). It imports no other module of the package but :mod:`~megatron_deepepv2.layout`.
+(:func:`layer_memory`). It imports no other module of the package but :mod:`~megatron_deepepv2.layout` and
+:mod:`~megatron_deepepv2.fp8` (the scale block).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_deepepv2 import fp8
 from megatron_deepepv2.layout import ExpertLayout, align_up, receive_bound_rows, worst_case_recv_rows
 
 #: DeepEP's symmetric-memory alignment of a buffer size (2 MiB).
@@ -187,14 +189,16 @@ def call_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, use_fp8
         num_topk: Top-k ``K``.
         use_fp8: Whether the fresh dispatch carries FP8 rows.
         topology: The group's domains.
-        num_sf_packs: FP8 scale packs per token (0: ``H / 128``, the package's 1x128 quantisation).
+        num_sf_packs: FP8 scale packs per token (0: one per :data:`~megatron_deepepv2.fp8.BLOCK` values, the
+            package's quantisation).
 
     Returns:
         ``{"dispatch": ..., "cached_dispatch": ..., "combine": ...}``: the fresh dispatch (FP8 or BF16), the cached
         BF16 dispatch of combine's backward, and combine (forward, and dispatch's backward).
     """
     if use_fp8:
-        fresh = dispatch_bytes(num_max_tokens_per_rank, hidden, num_topk, 1, num_sf_packs or hidden // 128, topology)
+        fresh = dispatch_bytes(num_max_tokens_per_rank, hidden, num_topk, 1, num_sf_packs or hidden // fp8.BLOCK,
+                               topology)
     else:
         fresh = dispatch_bytes(num_max_tokens_per_rank, hidden, num_topk, BF16_BYTES, 0, topology)
     return {
