@@ -102,6 +102,7 @@ KERNELS: tuple[KernelEntry, ...] = (
         sources=(
             "megatron_deepepv2/buffers.py",
             "megatron_deepepv2/_dist.py",
+            "megatron_deepepv2/failures.py",
             "megatron_deepepv2/validation.py",
         ),
         exempt_reason="Integer MAX all-reduces of sizes and error flags: exact by construction, no data path.",

@@ -8,7 +8,7 @@ Public API:
 * :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.integration`);
 * :func:`destroy_buffers` -- release communication buffers before shutdown, :func:`release_retired_buffers` --
   release superseded ones once per step (:mod:`.buffers`);
-* :class:`PeerFailure` -- what a rank raises when another rank of its group failed first (:mod:`._dist`).
+* :class:`PeerFailure` -- what a rank raises when another rank of its group failed first (:mod:`.failures`).
 """
 
 from megatron_deepepv2.backends import (
@@ -18,7 +18,7 @@ from megatron_deepepv2.backends import (
     register_backend,
     resolve_backend,
 )
-from megatron_deepepv2._dist import PeerFailure
+from megatron_deepepv2.failures import PeerFailure
 from megatron_deepepv2.buffers import destroy_buffers, release_retired_buffers
 from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
 from megatron_deepepv2.ops import DispatchConfig, DispatchResult, combine, dispatch

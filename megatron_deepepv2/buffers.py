@@ -19,7 +19,7 @@ ranks, rounded up to a power of two. A batch above it grows it collectively to t
 up again), which needs the ranks to exceed together (Megatron's equal per-rank token counts do). A rank cannot grow
 alone: its peers, whose batches fit, are already communicating through the old buffer (inside DeepEP's kernel), and
 only a per-call collective could tell them beforehand. Such a rank waits for them at the rendezvous store and leaves
-why there (:func:`~megatron_deepepv2._dist.begin_build`); peers waiting in a gloo exchange see it within
+why there (:func:`~megatron_deepepv2.failures.begin_build`); peers waiting in a gloo exchange see it within
 milliseconds, peers inside DeepEP's kernel when DeepEP's timeout surfaces, and every rank raises naming that rank and
 its token count (``growth_timeout_s`` bounds the wait). Where one rank alone can exceed, configure the true maximum
 or turn on ``validate`` (its per-call all-reduce shares the counts, so the ranks grow in lock-step).
@@ -35,14 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import (
-    PeerFailure,
-    all_reduce_max,
-    announce_failure,
-    begin_build,
-    next_power_of_two,
-    rendezvous,
-)
+from megatron_deepepv2.failures import PeerFailure, all_reduce_max, announce_failure, begin_build, rendezvous
+from megatron_deepepv2._dist import next_power_of_two
 from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
 from megatron_deepepv2.validation import raise_on_every_rank
 
@@ -127,7 +121,7 @@ def get_buffer(
         RuntimeError: If a build would happen during CUDA-graph capture.
         ValueError: If the other ranks did not come to the build (in ``growth_timeout_s``, or they stopped waiting
             for this rank in their own communication), or build with another shape key.
-        PeerFailure: A peer failed in this call (see :func:`~megatron_deepepv2._dist.peer_failure`).
+        PeerFailure: A peer failed in this call (see :func:`~megatron_deepepv2.failures.peer_failure`).
     """
     key = (backend_cls.name, group, replace(spec, num_max_tokens_per_rank=0))
     current = _buffers.get(key)

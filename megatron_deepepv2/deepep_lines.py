@@ -14,6 +14,7 @@ The doctor, the installer and the backend's import check all ask this module, so
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -21,8 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-
-from megatron_deepepv2._dist import runtime_nccl_version
 
 Version = tuple[int, ...]
 
@@ -172,3 +171,37 @@ def deepep_unavailable_reason() -> Optional[str]:
         return (f"PyTorch loaded NCCL {version_text(nccl)}; DeepEP {line.name} ({line.buffer_class}) needs >= "
                 f"{version_text(line.min_nccl)}. {INSTALL_HINT}")
     return None
+
+
+def mapped_nccl_libraries() -> list[str]:
+    """Paths of the ``libnccl`` files mapped into this process (from ``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return sorted({line.split()[-1] for line in maps if "libnccl" in line and "/" in line})
+    except OSError:
+        return []
+
+
+def runtime_nccl_version() -> Optional[tuple[int, int, int]]:
+    """Version of the NCCL library actually loaded, asked from the library itself (``ncclGetVersion``).
+
+    ``torch.cuda.nccl.version()`` reports the NCCL PyTorch was compiled against, which differs when the
+    runtime library was replaced (as DeepEP v2 setups do to get NCCL >= 2.30.4).
+
+    Returns:
+        ``(major, minor, patch)``, or None when no NCCL is loaded or it cannot be asked.
+    """
+    for path in mapped_nccl_libraries():
+        try:
+            code = ctypes.c_int()
+            if ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code)) != 0:
+                continue
+        except (OSError, AttributeError):
+            continue
+        value = code.value  # NCCL >= 2.9: major * 10000 + minor * 100 + patch
+        return value // 10000, (value % 10000) // 100, value % 100
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - torch without NCCL raises various errors
+        return None
+    return tuple(version) if isinstance(version, tuple) else None

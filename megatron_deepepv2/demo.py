@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_deepepv2._dist import spawn_on_free_port
+from megatron_deepepv2.testing.spawn import spawn_on_free_port
 
 logger = logging.getLogger("megatron_deepepv2.demo")
 
@@ -199,7 +199,7 @@ def _worker(rank: int, world: int, port: int, config: DemoConfig, on_gpu: bool) 
 
 def _fork_cpu_ranks(config: DemoConfig) -> None:
     """Starts the CPU ranks from a forkserver that preloads :data:`_CPU_PRELOAD` (the server starts with this process's
-    environment: no GPU visible), on a free port (:func:`~megatron_deepepv2._dist.spawn_on_free_port`)."""
+    environment: no GPU visible), on a free port (:func:`~megatron_deepepv2.testing.spawn.spawn_on_free_port`)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(_CPU_PRELOAD)
     spawn_on_free_port(_worker, (config, False), config.nproc, start_method="forkserver")
 

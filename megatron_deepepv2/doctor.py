@@ -102,13 +102,13 @@ def links_libstdcxx_dynamically(needed: list[str]) -> bool:
 def _default_nccl_version() -> Optional[tuple[int, ...]]:
     import torch  # noqa: F401,PLC0415 - loads torch's libnccl before asking it
 
-    from megatron_deepepv2._dist import runtime_nccl_version  # noqa: PLC0415
+    from megatron_deepepv2.deepep_lines import runtime_nccl_version  # noqa: PLC0415
 
     return runtime_nccl_version()
 
 
 def _default_mapped_nccl() -> list[str]:
-    from megatron_deepepv2._dist import mapped_nccl_libraries  # noqa: PLC0415
+    from megatron_deepepv2.deepep_lines import mapped_nccl_libraries  # noqa: PLC0415
 
     return mapped_nccl_libraries()
 

@@ -83,7 +83,7 @@ NVCC_WHEELS = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 _PROBE_SOURCE = '#include <regex>\n#include <string>\nint probe(const char* s) { return std::regex_match(std::string(s), std::regex("a+b")); }\n'
 _PYTHON_PROBE = """
 import json, torch
-from megatron_deepepv2._dist import mapped_nccl_libraries, runtime_nccl_version
+from megatron_deepepv2.deepep_lines import mapped_nccl_libraries, runtime_nccl_version
 out = {"nccl": runtime_nccl_version(), "mapped": mapped_nccl_libraries(), "cuda": torch.version.cuda,
        "torch": torch.__version__, "python": "%d.%d" % __import__("sys").version_info[:2]}
 if IMPORT_DEEP_EP:

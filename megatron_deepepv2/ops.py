@@ -15,7 +15,7 @@ Function's ``forward``, the backend's ``dispatch``). Every kernel producing a co
 fp32 casts) is enqueued before the backend captures the event its communication stream waits on (Megatron-LM#5153).
 
 **Failures.** Every path that communicates -- the buffer build, both forwards and both backwards -- passes its errors
-through :func:`peer_failure` (:func:`megatron_deepepv2._dist.peer_failure`), and the backwards count their calls like
+through :func:`peer_failure` (:func:`megatron_deepepv2.failures.peer_failure`), and the backwards count their calls like
 the forwards: a rank that fails announces its error for the peers of that call, and a peer raises naming that rank and
 its error (at once over gloo, where waits watch for it; when its own wait fails elsewhere, e.g. at DeepEP's timeout).
 
@@ -37,8 +37,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2 import _dist, buffers, expert_kernels, fp8, validation
-from megatron_deepepv2._dist import peer_failure
+from megatron_deepepv2 import _dist, buffers, failures, expert_kernels, fp8, validation
+from megatron_deepepv2.failures import peer_failure
 from megatron_deepepv2.backends import (
     BufferSpec,
     DispatchBackend,
@@ -222,7 +222,7 @@ class Dispatcher:
             PeerFailure: A peer failed in this call's buffer build (:func:`peer_failure`).
         """
         config, group = self.config, self.group
-        _dist.count_call(group)
+        failures.count_call(group)
         data = x[0] if type(x) is tuple else x
         signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
         capacity = config.num_max_tokens_per_rank
@@ -363,7 +363,7 @@ class DispatchFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_recv_x: Optional[torch.Tensor], grad_recv_weights: Optional[torch.Tensor]):
         handle: DispatchHandle = ctx.handle
         group = handle.backend.group
-        _dist.count_call(group)  # a call like the forward ones: failures of this backward are scoped to it
+        failures.count_call(group)  # a call like the forward ones: failures of this backward are scoped to it
         try:  # the whole body: an error before the combine would leave the peers waiting in it
             rows = handle.num_recv_rows
             if grad_recv_x is None:
@@ -397,7 +397,7 @@ class CombineFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
         group = handle.backend.group
-        _dist.count_call(group)  # a call like the forward ones: failures of this backward are scoped to it
+        failures.count_call(group)  # a call like the forward ones: failures of this backward are scoped to it
         try:
             grad = handle.backend.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
         except Exception as error:
@@ -517,7 +517,7 @@ def combine(
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
     group = handle.backend.group
-    _dist.count_call(group)
+    failures.count_call(group)
     validate = handle.config is not None and handle.config.validate
     problem = validation.check_combine_inputs(x, handle, None)
     if problem is not None or validate:

@@ -10,7 +10,7 @@ collective would leave its peers waiting). Each error names the argument, its va
   raises on every rank; it also names ranks whose dtype, hidden size, top-k or FP8-ness differ.
 
 Without ``validate`` a rank that rejects its input raises alone, after leaving its error in the rendezvous store
-(:func:`megatron_deepepv2._dist.announce_failure`); a peer raises naming that rank and its error -- within
+(:func:`megatron_deepepv2.failures.announce_failure`); a peer raises naming that rank and its error -- within
 milliseconds over gloo, where waits watch the store, else when its own wait fails (the rank exits, the group's
 timeout, DeepEP's). With ``validate`` every rank raises together, a peer naming the rejecting ranks and their errors.
 """
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build of 
     triton = None
     tl = None
 
-from megatron_deepepv2._dist import agreed, all_gather_ints, all_reduce_max, announce_failure, announced_failures
+from megatron_deepepv2.failures import agreed, all_gather_ints, all_reduce_max, announce_failure, announced_failures
 from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
 
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
@@ -368,7 +368,7 @@ def raise_on_every_rank(
     Raises:
         TypeError, ValueError: ``problem``; with ``agree``, a ValueError on the other ranks naming each rank that had
             one and its error (read from the store, where each such rank leaves it before the all-reduce), or
-            naming each rank's values that differ; each marked as raised together (``_dist.agreed``).
+            naming each rank's values that differ; each marked as raised together (``failures.agreed``).
     """
     if not agree:
         if problem is not None:

@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from megatron_deepepv2._dist import free_port
+from megatron_deepepv2.testing.spawn import free_port
 
 _CONTEXT = mp.get_context("forkserver")
 # What the ranks would import: Megatron (where installed; a missing module is skipped) takes seconds per rank, so the

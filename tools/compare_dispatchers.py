@@ -518,7 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU ranks (spawned, they inherit it) must not see a GPU
-        from megatron_deepepv2._dist import spawn_on_free_port  # noqa: PLC0415
+        from megatron_deepepv2.testing.spawn import spawn_on_free_port  # noqa: PLC0415
 
         spawn_on_free_port(_cpu_worker, (args,), 2)
         return 0

@@ -8,7 +8,7 @@ How it works: every dispatch computes a *routing plan* with vectorised index ope
 loop over tokens or experts) and moves all row data -- hidden states, FP8 scales, expert ids, weights and
 source indices, packed side by side as bytes -- in **one** ``all_to_all_single``. Combine moves the rows
 back in one ``all_to_all_single`` and reduces them. Every collective goes through
-:func:`~megatron_deepepv2._dist.run_collective`: over gloo a rank waiting in one raises within milliseconds, naming
+:func:`~megatron_deepepv2.failures.run_collective`: over gloo a rank waiting in one raises within milliseconds, naming
 the peer, when that peer announces a failure instead of joining. Two transports:
 
 * with host sync (the default) the ranks first exchange row counts, read them on the host and send
@@ -39,7 +39,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import all_reduce_max, run_collective
+from megatron_deepepv2.failures import all_reduce_max, run_collective
 from megatron_deepepv2.backends.base import (
     SYNC,
     BackendLimits,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2 import _dist
+from megatron_deepepv2 import failures
 from megatron_deepepv2.backends import ReferenceBackend
 from tests.distributed import run_distributed
 
@@ -62,7 +62,7 @@ def _fail(where: str) -> Callable[[object], None]:
 def _time_out(group) -> None:
     """What a peer inside DeepEP's kernel sees: nothing arrives, then a timeout (once the failing rank has spoken)."""
     deadline = time.monotonic() + 20
-    while not (_dist.announced_failures(group) or _dist.pending_builds(group)) and time.monotonic() < deadline:
+    while not (failures.announced_failures(group) or failures.pending_builds(group)) and time.monotonic() < deadline:
         time.sleep(0.005)
     raise RuntimeError("DeepEP timeout (stand-in): the dispatch's CPU wait timed out")
 
@@ -200,21 +200,21 @@ def _linger_then_grow(rank: int, world: int, in_agreement: bool) -> tuple[int, b
     with pytest.MonkeyPatch.context() as patch:
         if rank == 1:
             works: list = []
-            waited = _dist._waited
+            waited = failures._waited
 
             def linger(work, timeout_s: float) -> bool:
                 if not works or works[-1] is not work:
                     works.append(work)
                 if len(works) == lingering_in and not saw_the_build:
                     deadline = time.monotonic() + 20
-                    build = _dist._rendezvous_key(group, f"build-{_dist._builds[group] + 1}")
+                    build = failures._rendezvous_key(group, f"build-{failures._builds[group] + 1}")
                     while not store.check([build]) and time.monotonic() < deadline:
                         time.sleep(0.005)
                     saw_the_build.append(store.check([build]))
                     return False  # one more look at the store, with rank 0 at the build
                 return waited(work, timeout_s)
 
-            patch.setattr(_dist, "_waited", linger)
+            patch.setattr(failures, "_waited", linger)
         if not in_agreement:
             dv2.dispatch(*_inputs(rank)[:2], None, E, config=config)
         grown = dv2.dispatch(*_inputs(rank, 20), E, config=config)  # every rank exceeds: they grow together

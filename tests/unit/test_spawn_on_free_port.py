@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from megatron_deepepv2 import _dist
+from megatron_deepepv2.testing import spawn
 from tests.unit.spawn_worker import rendezvous as _rendezvous
 
 
@@ -18,13 +18,13 @@ def test_a_taken_port_is_retried_and_other_failures_raise(monkeypatch: pytest.Mo
     taken.listen()
     ports = [taken.getsockname()[1]]  # the first port handed out is in use
     chosen = []
-    original = _dist.free_port
-    monkeypatch.setattr(_dist, "free_port", lambda: chosen.append(ports.pop() if ports else original()) or chosen[-1])
+    original = spawn.free_port
+    monkeypatch.setattr(spawn, "free_port", lambda: chosen.append(ports.pop() if ports else original()) or chosen[-1])
     try:
-        _dist.spawn_on_free_port(_rendezvous, (False,), 2)
+        spawn.spawn_on_free_port(_rendezvous, (False,), 2)
         assert len(chosen) == 2 and chosen[0] == taken.getsockname()[1]  # retried once, on another port
         with pytest.raises(mp.ProcessRaisedException, match="a failure of the worker itself"):
-            _dist.spawn_on_free_port(_rendezvous, (True,), 2)
+            spawn.spawn_on_free_port(_rendezvous, (True,), 2)
         assert len(chosen) == 3  # not retried
     finally:
         taken.close()
