@@ -1,0 +1,259 @@
+"""tools/import_graph.py: floors, cycles, lazy and type-only imports, package inits, line counts and the gates, on small
+packages written here, and structural truths of the real package."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tools import import_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "import_graph.py"
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """Writes a package ``pkg`` (an empty ``__init__.py`` unless given) and returns its directory."""
+    package = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return package
+
+
+def _report(package: Path, *args: str, capsys: pytest.CaptureFixture, tmp_path: Path) -> tuple[int, str, dict]:
+    """Runs the tool's ``main``; returns its exit status, text report and JSON report."""
+    out = tmp_path / "report.json"
+    status = import_graph.main(["--package", str(package), "--json", str(out), *args])
+    return status, capsys.readouterr().out, json.loads(out.read_text())
+
+
+def _floors(report: dict) -> list[list[str]]:
+    return [floor["modules"] for floor in report["floors"]]
+
+
+def _edges(report: dict) -> dict[tuple[str, str], str]:
+    return {(e["from"], e["to"]): e["kind"] for e in report["edges"]}
+
+
+def test_a_chain_stands_on_three_floors(tmp_path, capsys):
+    package = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": "from pkg.c import f\n", "c.py": "def f(): pass\n"})
+    status, text, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert status == 0
+    assert _floors(report) == [["c", "pkg"], ["b"], ["a"]]
+    assert _edges(report) == {("a", "b"): "module", ("b", "c"): "module"}
+    assert "floor 1: c, pkg\nfloor 2: b\nfloor 3: a\n" in text
+    assert text.rstrip().endswith("floors: 3\narrows up: 0")
+
+
+def test_roots_keep_only_what_they_reach(tmp_path, capsys):
+    package = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": "import pkg.c\n", "c.py": "", "d.py": ""})
+    _, text, report = _report(package, "--roots", "b", capsys=capsys, tmp_path=tmp_path)
+    assert _floors(report) == [["c"], ["b"]]
+    assert _edges(report) == {("b", "c"): "module"}
+    assert "reachable from b" in text
+
+
+def test_a_cycle_is_one_node_and_each_of_its_edges_is_an_arrow_up(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "a.py": "from pkg import b\n",
+        "b.py": "def g():\n    from pkg.a import x\n",
+        "c.py": "import pkg.a\n",
+        "d.py": "",
+    })
+    _, text, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert report["cycles"] == [{"floor": 1, "members": ["a", "b"]}]
+    assert _floors(report) == [["a", "b", "d", "pkg"], ["c"]]
+    assert {(e["from"], e["to"], e["kind"]) for e in report["arrows_up"]} == {("a", "b", "module"), ("b", "a", "lazy")}
+    assert "  a -> b (module, line 1)\n  b -> a (lazy, line 2)\n" in text
+    assert text.rstrip().endswith("floors: 2\narrows up: 2")
+
+
+def test_an_import_inside_a_function_is_a_lazy_arrow(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "a.py": "import os\n\nclass K:\n    def m(self):\n        import pkg.b\n",
+        "b.py": "",
+        "c.py": "try:\n    from pkg import b\nexcept ImportError:\n    pass\n",
+    })
+    _, text, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert _edges(report) == {("a", "b"): "lazy", ("c", "b"): "module"}
+    assert _floors(report) == [["b", "pkg"], ["a", "c"]]
+    assert "lazy imports:\n  a -> b (lazy, line 5)\n" in text
+
+
+def test_a_type_checking_import_is_no_arrow(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "a.py": """\
+            from typing import TYPE_CHECKING
+            import typing
+            if TYPE_CHECKING:
+                from pkg.b import B
+            if typing.TYPE_CHECKING:
+                import pkg.c
+            else:
+                import pkg.d
+            """,
+        "b.py": "",
+        "c.py": "",
+        "d.py": "",
+    })
+    _, text, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert _edges(report) == {("a", "d"): "module"}
+    assert [(e["from"], e["to"], e["kind"]) for e in report["type_only"]] == [("a", "b", "type-only"),
+                                                                              ("a", "c", "type-only")]
+    assert _floors(report) == [["b", "c", "d", "pkg"], ["a"]]
+    assert "type-only imports (not arrows):\n  a -> b (type-only, line 4)\n" in text
+
+
+def test_from_the_package_a_submodule_is_the_submodule_and_a_name_is_the_init(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "__init__.py": "VERSION = 1\n",
+        "a.py": "from pkg import b, VERSION\n",
+        "b.py": "",
+        "c.py": "from . import b\nfrom .b import thing\n",
+        "d.py": "import pkg\n",
+    })
+    _, _, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert _edges(report) == {("a", "b"): "module", ("a", "pkg"): "module", ("c", "b"): "module",
+                              ("d", "pkg"): "module"}
+
+
+def test_a_submodule_imported_from_outside_its_package_runs_the_package_init(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "sub/__init__.py": "from pkg.sub.mod import X\n",
+        "sub/mod.py": "X = 1\n",
+        "sub/other.py": "import pkg.sub.mod\nfrom .mod import X\n",
+        "outside.py": "from pkg.sub.mod import X\n",
+        "relative.py": "from .sub import mod\n",
+    })
+    _, _, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert _edges(report) == {
+        ("outside", "sub"): "module", ("outside", "sub.mod"): "module",
+        ("relative", "sub"): "module", ("relative", "sub.mod"): "module",
+        ("sub", "sub.mod"): "module",
+        ("sub.other", "sub.mod"): "module",
+    }
+    assert _floors(report) == [["pkg", "sub.mod"], ["sub", "sub.other"], ["outside", "relative"]]
+
+
+def test_code_lines_leave_out_blanks_comments_and_docstrings(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(textwrap.dedent('''\
+        """Module docstring,
+        on two lines."""
+        # a comment
+
+        import os  # code with a comment: 1
+
+        TEXT = """a string that is
+        not a docstring"""  # 2 and 3
+
+
+        class K:  # 4
+            """Class docstring."""
+
+            field: int = 0  # 5
+            """Attribute docstring."""
+
+            def f(self) -> int:  # 6
+                """Function docstring,
+
+                with a blank line.
+                """
+                return (1 +  # 7
+                        2)  # 8
+        '''))
+    assert import_graph.count_lines(path) == import_graph.LineCount(total=23, code=8)
+
+
+def test_line_counts_of_the_listed_modules_and_their_sum(tmp_path, capsys):
+    package = _package(tmp_path, {"a.py": '"""Doc."""\nx = 1\n\ny = 2\n', "b.py": "# note\nz = 3\n"})
+    _, text, report = _report(package, "--modules", "a,pkg.b", capsys=capsys, tmp_path=tmp_path)
+    assert report["line_counts"] == {"modules": {"a": {"total": 4, "code": 2}, "b": {"total": 2, "code": 1}},
+                                     "sum": {"total": 6, "code": 3}}
+    assert "sum      6      3" in text
+
+
+def test_the_limits_fail_only_when_exceeded(tmp_path, capsys, caplog):
+    package = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": "import pkg.c\n", "c.py": "import pkg.b\n"})
+    status, _, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert (status, report["floor_count"], report["arrows_up_count"]) == (0, 2, 2)
+    assert import_graph.main(["--package", str(package), "--max-floors", "2", "--max-arrows-up", "2"]) == 0
+    assert import_graph.main(["--package", str(package), "--max-floors", "1"]) == 1
+    assert "the import graph has 2 floors, more than --max-floors 1 allows" in caplog.text
+    caplog.clear()
+    assert import_graph.main(["--package", str(package), "--max-arrows-up", "1"]) == 1
+    assert "2 arrows back up, more than --max-arrows-up 1 allows (b -> c (module, line 1)" in caplog.text
+
+
+def test_bad_input_is_named_and_exits_2(tmp_path, capsys, caplog):
+    package = _package(tmp_path, {"a.py": "import pkg.b\n", "b.py": ""})
+    assert import_graph.main(["--package", str(package), "--roots", "a,nope"]) == 2
+    assert "--roots names nope, not a module of pkg; known modules: a, b, pkg" in caplog.text
+    assert import_graph.main(["--package", str(package), "--modules", "zzz"]) == 2
+    assert "--modules names zzz" in caplog.text
+    assert import_graph.main(["--package", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in caplog.text
+    (package / "broken.py").write_text("def f(:\n")
+    assert import_graph.main(["--package", str(package)]) == 2
+    assert f"{package / 'broken.py'}:1: does not parse" in caplog.text
+    assert capsys.readouterr().out == ""
+
+
+def _package_imports(path: Path, top: str) -> bool:
+    """Whether a file holds any import of the package, absolute or relative, anywhere."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == top):
+            return True
+        if isinstance(node, ast.Import) and any(alias.name.split(".")[0] == top for alias in node.names):
+            return True
+    return False
+
+
+def test_on_the_real_package_floors_follow_the_imports(tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(TOOL), "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert done.stdout.rstrip().endswith(f"floors: {report['floor_count']}\narrows up: {report['arrows_up_count']}")
+    package = ROOT / "megatron_deepepv2"
+    floor_of = {name: floor["floor"] for floor in report["floors"] for name in floor["modules"]}
+    names = {}
+    for path in package.rglob("*.py"):
+        if "__pycache__" not in path.parts:
+            parts = path.relative_to(package).with_suffix("").parts
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "megatron_deepepv2"] = path
+    assert set(floor_of) == set(names)
+    # A file that imports nothing of the package stands on floor 1.
+    for name, path in names.items():
+        if not _package_imports(path, "megatron_deepepv2"):
+            assert floor_of[name] == 1, name
+    # Every arrow between two modules not in one cycle points down; every arrow inside a cycle is an arrow up.
+    cycle_of = {name: number for number, cycle in enumerate(report["cycles"]) for name in cycle["members"]}
+    arrows_up = {(e["from"], e["to"]) for e in report["arrows_up"]}
+    for edge in report["edges"]:
+        pair = (edge["from"], edge["to"])
+        if edge["from"] in cycle_of and cycle_of[edge["from"]] == cycle_of.get(edge["to"]):
+            assert pair in arrows_up
+            assert floor_of[edge["from"]] == floor_of[edge["to"]]
+        else:
+            assert floor_of[edge["from"]] > floor_of[edge["to"]], pair
+            assert pair not in arrows_up
+    assert len(arrows_up) == report["arrows_up_count"]
+
+
+def test_on_the_real_package_a_root_stands_on_the_top_floor_of_what_it_reaches(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert import_graph.main(["--roots", "manager", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "manager" in report["floors"][-1]["modules"]
+    reached = {name for floor in report["floors"] for name in floor["modules"]}
+    assert reached >= {target for edge in report["edges"] for target in (edge["from"], edge["to"])}
