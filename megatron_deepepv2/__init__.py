@@ -2,8 +2,10 @@
 
 Public API:
 
-* :func:`dispatch` / :func:`combine` -- differentiable expert-parallel all-to-all (:mod:`.ops`);
-* :class:`ExpertLayout`, :class:`DispatchHandle` -- layouts and the dispatch handle (:mod:`.backends`);
+* :func:`dispatch` / :func:`combine` -- differentiable expert-parallel all-to-all, :func:`resolve_config` -- a
+  configuration resolved once for repeated calls (:mod:`.ops`);
+* :class:`ExpertLayout`, :class:`DispatchConfig`, :class:`DispatchHandle`, :class:`DispatchResult` -- the types they
+  speak (:mod:`.backends.base`);
 * :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
 * :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.integration`);
 * :func:`destroy_buffers` -- release communication buffers before shutdown, :func:`release_retired_buffers` --
@@ -12,7 +14,9 @@ Public API:
 """
 
 from megatron_deepepv2.backends import (
+    DispatchConfig,
     DispatchHandle,
+    DispatchResult,
     ExpertLayout,
     backend_names,
     register_backend,
@@ -21,7 +25,7 @@ from megatron_deepepv2.backends import (
 from megatron_deepepv2.failures import PeerFailure
 from megatron_deepepv2.buffers import destroy_buffers, release_retired_buffers
 from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
-from megatron_deepepv2.ops import DispatchConfig, DispatchResult, combine, dispatch
+from megatron_deepepv2.ops import combine, dispatch, resolve_config
 
 __version__ = "0.1.0"
 
@@ -57,5 +61,6 @@ __all__ = [
     "register_backend",
     "release_retired_buffers",
     "resolve_backend",
+    "resolve_config",
     "settings_override",
 ]

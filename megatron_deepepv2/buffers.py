@@ -1,46 +1,47 @@
 """Buffer lifecycle: the single source of truth for the communication buffers of this process.
 
-One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend`) lives per (backend, process group, shape
-key: hidden size, top-k, FP8, determinism, SMs), so MoE layers whose keys differ keep their own instead of rebuilding
-each other's. A build is collective on the group's ranks and never happens inside CUDA-graph capture; it also agrees
-on the shape key, so ranks whose keys differ raise naming each other's instead of corrupting the exchange.
+One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend` instance) lives per (backend, process group,
+:attr:`~megatron_deepepv2.backends.base.BufferSpec.key`), so MoE layers whose keys differ keep their own. A build is
+collective on the group's ranks, never happens inside CUDA-graph capture, and agrees on the key, so ranks whose keys
+differ raise naming each other's instead of corrupting the exchange.
 
-**Lifetime.** A handle refers to the buffer that made it, and a micro-batch's autograd graph keeps its handle until
-its backward (several are in flight under pipeline schedules, EP overlap, variable-length batches). A rebuild
-therefore *retires* the old buffer (its handles still work; bound dispatchers see the flag and lease the new one).
-A retired buffer is destroyed by the first :func:`release_retired_buffers` -- called once per training step on every
-rank, after the step's backward passes -- or build on its group at which every rank agrees, in one small all-reduce,
-that no handle uses it; :func:`destroy_buffers` destroys everything at shutdown. Nothing runs per call for it, and
-nothing at all while no buffer is retired.
+**Lifetime.** A handle keeps the buffer that made it, and a micro-batch's autograd graph keeps its handle until its
+backward. A rebuild therefore *retires* the old buffer (its handles still work; :func:`get_buffer` hands out the new
+one). A retired buffer is destroyed by the first :func:`release_retired_buffers` -- once per training step on every
+rank -- or build on its group at which every rank agrees, in one small all-reduce, that no handle uses it;
+:func:`destroy_buffers` destroys everything at shutdown.
 
-**Capacity** (``num_max_tokens_per_rank``, the same on every rank: a DeepEP JIT constant and layout parameter) is
-taken as configured (it sizes the worst-case outputs without host sync), else from the largest first batch over the
-ranks, rounded up to a power of two. A batch above it grows it collectively to the maximum over the ranks (rounded
-up again), which needs the ranks to exceed together (Megatron's equal per-rank token counts do). A rank cannot grow
-alone: its peers, whose batches fit, are already communicating through the old buffer (inside DeepEP's kernel), and
-only a per-call collective could tell them beforehand. Such a rank waits for them at the rendezvous store and leaves
-why there (:func:`~megatron_deepepv2.failures.begin_build`); peers waiting in a gloo exchange see it within
-milliseconds, peers inside DeepEP's kernel when DeepEP's timeout surfaces, and every rank raises naming that rank and
-its token count (``growth_timeout_s`` bounds the wait). Where one rank alone can exceed, configure the true maximum
-or turn on ``validate`` (its per-call all-reduce shares the counts, so the ranks grow in lock-step).
+**Token limit** (``num_max_tokens_per_rank``, the same on every rank: a DeepEP JIT constant and layout parameter):
+as configured, else the largest first batch over the ranks, rounded up to a power of two. A batch above it grows it
+collectively to the maximum over the ranks, which needs the ranks to exceed it together (Megatron's equal per-rank
+token counts do). A rank that exceeds it alone waits at the rendezvous store and leaves why there
+(:func:`~megatron_deepepv2.failures.begin_build`); its peers raise naming it, and it raises after
+``growth_timeout_s``. Where one rank alone can exceed, configure the true maximum or turn on ``validate``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_deepepv2.failures import PeerFailure, all_reduce_max, announce_failure, begin_build, rendezvous
 from megatron_deepepv2._dist import next_power_of_two
-from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
+from megatron_deepepv2.config import BUFFER, DeepepV2Settings
 from megatron_deepepv2.validation import raise_on_every_rank
 
+if TYPE_CHECKING:
+    from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
+
 logger = logging.getLogger(__name__)
+
+#: The settings that are construction arguments, as the buffer key holds them (named in a disagreement's error).
+_BUFFER_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(DeepepV2Settings) if f.metadata == BUFFER)
 
 
 @dataclass
@@ -49,17 +50,17 @@ class BufferStats:
 
     Attributes:
         builds: Buffers built since the process started (first builds and rebuilds).
-        rebuilds_for_capacity: Rebuilds caused by a batch larger than the capacity.
+        rebuilds: Rebuilds caused by a batch above the token limit.
         released: Retired buffers destroyed once no handle used them.
     """
 
     builds: int = 0
-    rebuilds_for_capacity: int = 0
+    rebuilds: int = 0
     released: int = 0
 
 
-#: (backend name, group, shape key with capacity 0).
-_Key = tuple[str, dist.ProcessGroup, BufferSpec]
+#: (backend name, group, BufferSpec.key).
+_Key = tuple[str, dist.ProcessGroup, tuple]
 
 #: Buffer in use per key.
 _buffers: dict[_Key, DispatchBackend] = {}
@@ -102,28 +103,23 @@ def get_buffer(
     group: dist.ProcessGroup,
     spec: BufferSpec,
     num_tokens: int,
-    *,
-    configured_capacity: Optional[int] = None,
-    growth_timeout_s: float = 120.0,
 ) -> DispatchBackend:
-    """Returns the buffer for ``group`` and ``spec`` with room for ``num_tokens``, building or rebuilding it when needed
-    (:class:`~megatron_deepepv2.ops.Dispatcher` keeps what it gets until it is retired or too small).
+    """Returns the buffer for ``group`` and ``spec.key`` with room for ``num_tokens``, building or rebuilding it.
 
     Args:
         backend_cls: Backend class to build.
         group: Expert-parallel process group.
-        spec: The shape key; its ``num_max_tokens_per_rank`` is ignored (the capacity is decided here).
+        spec: What to build for; its ``num_max_tokens_per_rank`` is ignored (the token limit is decided here, from
+            ``spec.settings.num_max_tokens_per_rank`` or the batches seen).
         num_tokens: Tokens this call dispatches.
-        configured_capacity: Configured ``num_max_tokens_per_rank``, or None to take the largest first batch.
-        growth_timeout_s: How long a build waits for the other ranks of ``group`` to build too.
 
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
-        ValueError: If the other ranks did not come to the build (in ``growth_timeout_s``, or they stopped waiting
-            for this rank in their own communication), or build with another shape key.
-        PeerFailure: A peer failed in this call (see :func:`~megatron_deepepv2.failures.peer_failure`).
+        ValueError: If the other ranks did not come to the build (within ``spec.settings.growth_timeout_s``, or they
+            stopped waiting for this rank in their own communication), or build with another key.
+        PeerFailure: A peer failed in this call.
     """
-    key = (backend_cls.name, group, replace(spec, num_max_tokens_per_rank=0))
+    key = (backend_cls.name, group, spec.key)
     current = _buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
         return current
@@ -132,24 +128,24 @@ def get_buffer(
             "The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
             "capture. Run one eager step with the same shapes before capturing."
         )
-
-    # A configured capacity is taken as it is: without host sync it sizes every worst-case receive buffer, so
-    # rounding it up would inflate them. Start from the largest capacity this group already has (another layer's
-    # buffer has seen the same batches), so that a second key does not grow through the sizes the first one did.
-    capacity = max([int(configured_capacity or 0)] + [b.spec.num_max_tokens_per_rank
-                                                      for (name, g, _), b in _buffers.items()
-                                                      if name == backend_cls.name and g is group])
+    configured = spec.settings.num_max_tokens_per_rank
+    growth_timeout_s = spec.settings.growth_timeout_s
+    # A configured limit is taken as it is: without host sync it sizes every worst-case receive, so rounding it up
+    # would inflate them. Start from the largest limit this group already has (another layer's buffer has seen the
+    # same batches), so that a second key does not grow through the sizes the first one did.
+    limit = max([int(configured or 0)] + [b.spec.num_max_tokens_per_rank
+                                          for (name, g, _), b in _buffers.items()
+                                          if name == backend_cls.name and g is group])
     # Builds are collective: first make sure every rank is here, through the store, so that a rank that exceeds the
-    # capacity alone fails with the reason instead of waiting in an all-reduce the others never join.
+    # limit alone fails with the reason instead of waiting in an all-reduce the others never join.
     if current is None:
-        reason = (f"builds its first {backend_cls.name} buffer for hidden size {spec.hidden}, top-k {spec.num_topk}"
-                  f"{', FP8' if spec.use_fp8 else ''}")
+        reason = f"builds its first {backend_cls.name} buffer for hidden size {spec.hidden}, top-k {spec.num_topk}"
         why_not, fix = "they dispatch shapes they have a buffer for, or stopped before", ""
     else:
-        reason = (f"dispatches {num_tokens} tokens, more than the {backend_cls.name} buffer's token capacity "
+        reason = (f"dispatches {num_tokens} tokens, more than the {backend_cls.name} buffer's token limit "
                   f"{current.spec.num_max_tokens_per_rank}")
         why_not = "their batches fit"
-        fix = ("the capacity grows only when the ranks exceed it together: set num_max_tokens_per_rank "
+        fix = ("the limit grows only when the ranks exceed it together: set num_max_tokens_per_rank "
                "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to the largest per-rank token count, or turn on "
                "MEGATRON_DEEPEPV2_VALIDATE=1 (the ranks then grow in lock-step)")
     what = "build" if current is None else "grow"
@@ -172,28 +168,26 @@ def get_buffer(
     # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the largest batch, on
     # the shape key (a rank whose key differs would corrupt the exchange: every rank raises naming each one's), and on
     # which retired buffers no rank uses any more (released here).
-    alike = {"hidden size": spec.hidden, "top-k": spec.num_topk, "FP8": int(spec.use_fp8),
-             "deterministic": int(spec.deterministic), "SMs": spec.num_sms}
+    alike = dict(zip(("hidden size", "top-k", *_BUFFER_SETTING_NAMES), (-1 if v is None else int(v) for v in spec.key)))
     largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, alike=alike)
     if group in _retired:  # the build's ranks are together anyway: release what no handle uses any more
         _release(group)
-    # Only a learnt capacity (largest batch) is rounded to a power of two, so that batches of varying size rebuild
+    # Only a learnt limit (largest batch) is rounded to a power of two, so that batches of varying size rebuild
     # (and recompile DeepEP's kernels) rarely.
-    capacity = max(capacity, next_power_of_two(largest) if not configured_capacity else largest)
+    limit = max(limit, next_power_of_two(largest) if not configured else largest)
 
     if current is not None:
-        _stats.rebuilds_for_capacity += 1
-        logger.info("Rebuilding the %s buffer: %d tokens exceed capacity %d (the old buffer is kept until no "
+        _stats.rebuilds += 1
+        logger.info("Rebuilding the %s buffer: %d tokens exceed the token limit %d (the old buffer is kept until no "
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
-        current.retired = True
         _retired.setdefault(group, []).append(_buffers.pop(key))
 
-    buffer = backend_cls(group, replace(spec, num_max_tokens_per_rank=capacity))
+    buffer = backend_cls(group, replace(spec, num_max_tokens_per_rank=limit))
     _buffers[key] = buffer
     _stats.builds += 1
     logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
-                "%s, %d ranks%s)", backend_cls.name, buffer.num_bytes / 2**20, capacity, spec.hidden, spec.num_topk,
-                "FP8" if spec.use_fp8 else "BF16", buffer.group_size, ", deterministic" if spec.deterministic else "")
+                "%d ranks%s)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
+                buffer.group_size, ", deterministic" if spec.settings.deterministic else "")
     return buffer
 
 
@@ -242,7 +236,7 @@ def _release(group: dist.ProcessGroup) -> int:
 
 
 def release_retired_buffers() -> int:
-    """Destroys the retired buffers (superseded by a capacity growth) that no dispatch handle uses any more.
+    """Destroys the retired buffers (superseded by a rebuild for more tokens) that no dispatch handle uses any more.
 
     Collective: call it on every rank of the expert-parallel groups at the same point of every training step, once
     that step's backward passes have run (e.g. next to the gradient reduction), never per dispatch. It runs one small
@@ -264,9 +258,7 @@ def destroy_buffers() -> None:
     """Destroys every buffer of this process, retired ones included (collective: call it on every rank, e.g.
     before shutdown, once no backward pass is pending)."""
     for key in list(_buffers):
-        buffer = _buffers.pop(key)
-        buffer.retired = True
-        _forget(buffer)
+        _forget(_buffers.pop(key))
     for group in list(_retired):
         for buffer in _retired.pop(group):
             _forget(buffer)

@@ -1,13 +1,13 @@
-"""Process-wide settings of megatron-deepepv2: one place for every switch, read from the environment.
+"""The settings of megatron-deepepv2: every switch declared once, read from the environment.
 
-Each field has an environment variable (``MEGATRON_DEEPEPV2_<FIELD>``), read on first use. Code and
-tests change settings with :func:`configure` or, temporarily, :func:`settings_override`.
-
-Each field of :class:`DeepepV2Settings` is also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in
-capitals (``MEGATRON_DEEPEPV2_LAYOUT=compact``, ``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``; ``MAX_TOKENS_PER_RANK`` too names
-``num_max_tokens_per_rank``), parsed by the field's type; the class's docstring is the one list of them. A
-``MEGATRON_DEEPEPV2_*`` variable that no setting reads (a misspelling, a removed setting) gets one WARNING naming the
-closest setting's variable when the environment is read; :data:`OTHER_VARIABLES` lists the ones read elsewhere.
+:class:`DeepepV2Settings` is the one declaration of each switch: its name, type, default and meaning. Each field is
+also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in capitals (``host_sync`` is
+``MEGATRON_DEEPEPV2_NO_HOST_SYNC``, inverted; ``num_max_tokens_per_rank`` is also ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK``),
+parsed by the field's type on first use. A ``MEGATRON_DEEPEPV2_*`` variable that no setting reads gets one WARNING
+naming the closest setting's variable; :data:`OTHER_VARIABLES` lists the ones read elsewhere. Code and tests change
+settings with :func:`configure` or, for a block, :func:`settings_override`. A layer's dispatch configuration
+(:class:`~megatron_deepepv2.backends.base.DispatchConfig`) carries the settings it was resolved with; the rules on
+their values live in :mod:`megatron_deepepv2.validation` and run when a configuration is resolved.
 """
 
 from __future__ import annotations
@@ -17,32 +17,17 @@ import dataclasses
 import difflib
 import logging
 import os
-from dataclasses import dataclass
 import typing
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from megatron_deepepv2.layout import ExpertLayout
-
-#: SMs for DeepEP's kernels when neither Megatron's ``moe_flex_dispatcher_num_sms`` nor
-#: ``MEGATRON_DEEPEPV2_NUM_SMS`` says otherwise. Chosen from ``tools/bench.py --sm-sweep`` on 2x H200 (NV18),
-#: T4096 H4096 E64 top-8 BF16 expand (docs/benchmarks.md): dispatch bandwidth is flat from 16 SMs, but combine
-#: keeps improving up to 64 (61 GB/s at 16, 81 at 32, 114 at 64 SMs of remote bandwidth), so dispatch +
-#: combine is 30% faster at 64 than at 16 SMs. 0 asks DeepEP's analytic model instead.
-DEFAULT_NUM_SMS = 64
-
-#: Values of the ``manager`` setting.
-MANAGERS = ("plugin", "native")
-#: Values of the ``experts`` setting.
-EXPERTS = ("spec", "sync_free")
-
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
-#: The other name of ``num_max_tokens_per_rank``'s variable (read when ``MEGATRON_DEEPEPV2_NUM_MAX_TOKENS_PER_RANK``
-#: is unset).
-_ALIASES = {_ENV_PREFIX + "MAX_TOKENS_PER_RANK": "num_max_tokens_per_rank"}
+#: Field metadata: the field is an argument of the communication buffer's construction, so buffers are kept apart by
+#: its value (:attr:`~megatron_deepepv2.backends.base.BufferSpec.key`).
+BUFFER = {"buffer": True}
 #: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
-#: about: the test suite's Megatron-LM tree with a native deepepv2 (tests/unit/test_native_megatron.py) and the DeepEP
-#: and NCCL trees of the README's GPU test (tests/unit/test_readme.py); and the node identity of
-#: :mod:`megatron_deepepv2.topology`, which differs per node and so is read there, not as a setting.
+#: about: the test suite's Megatron-LM tree with a native deepepv2 and the DeepEP and NCCL trees of the README's GPU
+#: test; and the node identity of :mod:`megatron_deepepv2.topology`, which differs per node.
 OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES", "MEGATRON_DEEPEPV2_NODE_ID")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -50,102 +35,66 @@ _FALSE = {"0", "false", "no", "off", ""}
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeepepV2Settings:
-    """Switches of the deepepv2 path.
+    """The switches of the deepepv2 path (immutable: :func:`configure` replaces the process-wide object).
 
     Attributes:
         backend: ``"auto"``, ``"deepep"`` or ``"reference"``. An explicit choice never falls back.
-        layout: Receive layout of Megatron layers: ``expand`` (per-expert rows, aligned, no permute), the only one
-            they take; ``compact`` makes a deepepv2 layer raise naming expand (direct calls choose theirs).
-        num_max_tokens_per_rank: Token capacity of the buffer, the same on every rank, used as given (it sizes
-            the worst-case buffers without host sync). None: the maximum over ranks of the first batch, rounded
-            up to a power of two.
-        validate: Run the checks that need data on the host (expert ids in range, no duplicate expert
-            in a row) and agree on errors across ranks, so bad input raises on every rank. Costs a
-            device-to-host sync and a small all-reduce per call: meant for tests and debugging.
-        check_ids: Check the expert ids of every direct dispatch (each in ``[-1, num_experts)``, no expert twice in
-            one row). On CUDA one small kernel: with host sync its 4-byte flag is read on the host (the dispatch
-            waits there anyway) and a bad id raises a ValueError naming the token; without host sync a device-side
-            assert stops the process instead of corrupting the exchange. On CPU a ValueError. ``validate`` replaces
-            it with the agreed host-side check. The Megatron manager's ids come from ``torch.topk`` and are valid by
-            construction, so its layers skip this check (``validate`` still runs).
-        growth_timeout_s: How long a rank waiting at a buffer build (a first build, or a batch above the learnt
-            token capacity) waits for the other ranks, a backstop: peers that did not need the build make it fail
-            within milliseconds over gloo and at DeepEP's timeout over NCCL, every rank naming the rank that grew.
-        deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, event waits, ordered
-            reductions). The Megatron dispatcher is also deterministic when its config has
-            ``deterministic_mode`` (``--deterministic-mode``).
-        num_sms: SMs for DeepEP's communication kernels, used for dispatch, combine and their backward
-            when Megatron's ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset;
-            0 = DeepEP's analytic model. Default :data:`DEFAULT_NUM_SMS`.
-        allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode. None: only when the group spans nodes.
-        no_host_sync: Dispatch without waiting on the host: outputs sized for the worst case from
-            ``num_max_tokens_per_rank``, counts kept on the device, no ``.item()``/``.tolist()`` on the path,
-            so a MoE layer can be captured in a CUDA graph. Needs the expand layout and experts that take
-            device-side counts (see :mod:`megatron_deepepv2.experts`).
-        fp8_dispatch: Dispatch the hidden states as e4m3 with one scale per 128 values (about half the bytes) and
-            hand the experts BF16 rows again; combine and backward stay BF16 (:mod:`megatron_deepepv2.fp8`).
-            Needs BF16 hidden states with a hidden size that is a multiple of 128.
-        manager: Which ``_DeepepV2Manager`` deepepv2 layers get on a megatron-core that ships its own:
-            ``plugin`` (this package's: expand layout, no host sync, CUDA graphs, determinism, DeepEP lines) or
-            ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing). Read by
-            ``install()``.
-        experts: The experts module of every MoE layer, whatever its dispatcher (alltoall, allgather, flex):
-            ``spec`` (what the layer spec says) or ``sync_free`` (Megatron's ``SequentialMLP``, which the local spec
-            builds, becomes :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters and
-            checkpoints, two grouped GEMMs, and it takes device-side counts, as no host sync needs). Lets an
-            unchanged training script such as ``pretrain_gpt.py`` run without host sync, and compare dispatchers with
-            the same experts.
+        num_max_tokens_per_rank: Tokens any rank dispatches in one call at most, the same on every rank; it sizes the
+            buffer and, without host sync, every receive. None: the largest first batch over the ranks, rounded up to a
+            power of two, grown collectively when the ranks exceed it together.
+        validate: Check values on the host (expert ids in range and distinct) and agree on errors over the group, so
+            bad input raises on every rank: a device-to-host sync and a small all-reduce per call, for debugging.
+        check_ids: Check the expert ids of every direct dispatch (see :mod:`megatron_deepepv2.validation`). Megatron
+            layers skip it: their ids come from ``torch.topk``.
+        growth_timeout_s: Seconds a rank waits at a buffer build for the other ranks before it raises.
+        deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, ordered reductions). Megatron's
+            ``--deterministic-mode`` turns it on for its layers.
+        num_sms: SMs for the communication kernels (dispatch, combine and their backward), when Megatron's
+            ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset; 0 = DeepEP's choice.
+        allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode; None: only when the group spans nodes.
+        host_sync: Whether a dispatch waits on the host for exact sizes. False (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``):
+            outputs sized for the worst case from ``num_max_tokens_per_rank``, counts on the device, nothing read on
+            the host, so a MoE layer can be captured in a CUDA graph (its experts must take device-side counts).
+        fp8_dispatch: Send BF16 hidden states as e4m3 with one scale per 128 values, hand back BF16 rows; gradients
+            stay BF16 (:mod:`megatron_deepepv2.fp8`). Needs a hidden size that is a multiple of 128.
+        manager: Which ``_DeepepV2Manager`` deepepv2 layers get on a megatron-core that ships its own: ``plugin``
+            (this package's) or ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing).
+        experts: The experts of every MoE layer: ``spec`` (the layer spec's) or ``sync_free`` (Megatron's
+            ``SequentialMLP`` becomes :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters
+            and checkpoints, grouped GEMMs, device-side counts).
     """
 
     backend: str = "auto"
-    layout: ExpertLayout = ExpertLayout.EXPAND
     num_max_tokens_per_rank: Optional[int] = None
     validate: bool = False
     check_ids: bool = True
     growth_timeout_s: float = 120.0
-    deterministic: bool = False
-    num_sms: int = DEFAULT_NUM_SMS
-    allow_hybrid_mode: Optional[bool] = None
-    no_host_sync: bool = False
+    deterministic: bool = field(default=False, metadata=BUFFER)
+    num_sms: int = field(default=64, metadata=BUFFER)
+    allow_hybrid_mode: Optional[bool] = field(default=None, metadata=BUFFER)
+    host_sync: bool = field(default=True, metadata={"variable": "NO_HOST_SYNC", "inverted": True})
     fp8_dispatch: bool = False
     manager: str = "plugin"
     experts: str = "spec"
 
     def __post_init__(self) -> None:
-        self.layout = ExpertLayout.parse(self.layout)
-        self.backend = str(self.backend).lower()
-        self.manager = str(self.manager).lower()
-        if self.manager not in MANAGERS:
-            raise ValueError(f"manager={self.manager!r} is not one of {', '.join(MANAGERS)} (MEGATRON_DEEPEPV2_MANAGER: "
-                             "'plugin' for this package's deepepv2, 'native' for megatron-core's own).")
-        self.experts = str(self.experts).lower().replace("-", "_")
-        if self.experts not in EXPERTS:
-            raise ValueError(f"experts={self.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS: "
-                             "'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
-                             "SequentialMLP).")
-        if self.num_max_tokens_per_rank is not None and int(self.num_max_tokens_per_rank) <= 0:
-            raise ValueError(
-                f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token count, "
-                "or unset to take the largest first batch over the ranks."
-            )
-        if float(self.growth_timeout_s) <= 0:
-            raise ValueError(f"growth_timeout_s={self.growth_timeout_s} must be a positive number of seconds.")
-        if int(self.num_sms) < 0:
-            raise ValueError(f"num_sms={self.num_sms} must be >= 0 (0 lets the backend choose).")
+        # Names are compared in one spelling; the rules on the values are validation's (check_settings).
+        object.__setattr__(self, "backend", str(self.backend).lower())
+        object.__setattr__(self, "manager", str(self.manager).lower())
+        object.__setattr__(self, "experts", str(self.experts).lower().replace("-", "_"))
 
     @classmethod
-    def from_env(cls, environ: Optional[dict[str, str]] = None) -> "DeepepV2Settings":
+    def from_env(cls, environ: Optional[typing.Mapping[str, str]] = None) -> "DeepepV2Settings":
         """Builds settings from ``MEGATRON_DEEPEPV2_*`` variables.
 
         Args:
             environ: Mapping to read instead of ``os.environ``.
 
         Returns:
-            Settings with every variable that is set applied over the defaults. Each ``MEGATRON_DEEPEPV2_*``
-            variable of ``environ`` that no setting reads and :data:`OTHER_VARIABLES` does not list is logged as
-            one WARNING naming the closest setting's variable.
+            Settings with every variable that is set applied over the defaults. Each ``MEGATRON_DEEPEPV2_*`` variable
+            that no setting reads and :data:`OTHER_VARIABLES` does not list is logged as one WARNING.
 
         Raises:
             ValueError: If a variable holds a value its field cannot take.
@@ -154,19 +103,31 @@ class DeepepV2Settings:
         types = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            raw = environ.get(_ENV_PREFIX + f.name.upper())
-            if raw is None:
-                raw = next((environ[alias] for alias, name in _ALIASES.items() if name == f.name and alias in environ),
-                           None)
-            if raw is not None:
-                values[f.name] = _parse_env_value(_ENV_PREFIX + f.name.upper(), raw, types[f.name])
+            for variable in _variables(f):
+                if variable in environ:
+                    value = _parse_env_value(variable, environ[variable], types[f.name])
+                    values[f.name] = (not value) if f.metadata.get("inverted") else value
+                    break
         _warn_unread_variables(environ)
         return cls(**values)
 
 
+def _variables(f: dataclasses.Field) -> list[str]:
+    """The environment variables of a settings field, the first one set wins."""
+    names = [_ENV_PREFIX + f.metadata.get("variable", f.name.upper())]
+    if f.name == "num_max_tokens_per_rank":
+        names.append(_ENV_PREFIX + "MAX_TOKENS_PER_RANK")
+    return names
+
+
+def buffer_settings(settings: DeepepV2Settings) -> tuple:
+    """The values of the fields marked :data:`BUFFER`, in declaration order: what keeps buffers apart."""
+    return tuple(getattr(settings, f.name) for f in dataclasses.fields(settings) if f.metadata.get("buffer"))
+
+
 def setting_variables() -> list[str]:
-    """The environment variables :meth:`DeepepV2Settings.from_env` reads, one per field, then the aliases."""
-    return [_ENV_PREFIX + f.name.upper() for f in dataclasses.fields(DeepepV2Settings)] + list(_ALIASES)
+    """The environment variables :meth:`DeepepV2Settings.from_env` reads."""
+    return [variable for f in dataclasses.fields(DeepepV2Settings) for variable in _variables(f)]
 
 
 def _warn_unread_variables(environ: typing.Mapping[str, str]) -> None:

@@ -37,32 +37,6 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
-def fp8_dispatch_problem(x: object) -> Optional[Exception]:
-    """Why ``x`` cannot be dispatched in FP8, or None.
-
-    Args:
-        x: What the caller passed as hidden states.
-
-    Returns:
-        A TypeError (not a BF16 tensor: an FP8 pair is quantised already) or ValueError (hidden size), or None.
-    """
-    if not isinstance(x, torch.Tensor):
-        return TypeError("FP8 dispatch quantises BF16 hidden states itself; pass the BF16 tensor, not an FP8 pair "
-                         "(or turn FP8 dispatch off to pass pairs through).")
-    if x.dtype != torch.bfloat16:
-        return TypeError(f"FP8 dispatch quantises BF16 hidden states; got {x.dtype}. Train in BF16 (--bf16) or turn "
-                         "FP8 dispatch off (MEGATRON_DEEPEPV2_FP8_DISPATCH=0).")
-    return fp8_hidden_size_problem(x.shape[-1])
-
-
-def fp8_hidden_size_problem(hidden: int) -> Optional[ValueError]:
-    """A ValueError when ``hidden`` is not a multiple of the 128-value scale block, else None."""
-    if hidden % BLOCK:
-        return ValueError(f"FP8 dispatch scales blocks of {BLOCK} values: hidden size {hidden} is not a multiple of "
-                          f"{BLOCK}. Turn FP8 dispatch off (MEGATRON_DEEPEPV2_FP8_DISPATCH=0) for this model.")
-    return None
-
-
 #: Scale blocks per Triton program (a [blocks, 128] tile of one row) and rows per program.
 _KERNEL_BLOCKS = 8
 _KERNEL_ROWS = 4

@@ -61,6 +61,8 @@ from typing import Any, Callable, Optional
 
 from packaging.version import Version
 
+from megatron_deepepv2.validation import check_megatron_config, check_settings
+
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "deepepv2"
@@ -165,42 +167,10 @@ def validate_config(config: Any) -> None:
     """Checks a ``TransformerConfig`` that selects deepepv2 (run around Megatron's own checks).
 
     Raises:
-        ValueError: For a combination deepepv2 does not support, saying what to change.
+        ValueError: For a combination deepepv2 does not support (:func:`megatron_deepepv2.validation.check_megatron_config`).
     """
-    if getattr(config, "moe_flex_dispatcher_backend", None) != BACKEND_NAME:
-        return
-    if getattr(config, "moe_enable_deepep", False):
-        raise ValueError(
-            "moe_enable_deepep=True selects the DeepEP v1 backend but moe_flex_dispatcher_backend='deepepv2' "
-            "was also given. Drop --moe-enable-deepep (deprecated) and keep --moe-flex-dispatcher-backend deepepv2."
-        )
-    rank_capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
-    if rank_capacity_factor is not None and not rank_capacity_factor > 0:
-        raise ValueError(
-            f"moe_expert_rank_capacity_factor={rank_capacity_factor} must be a positive factor of the "
-            "per-rank receive (tokens per rank x top-k), or unset for a dropless receive."
-        )
-    if getattr(config, "moe_paged_stash", False):
-        raise ValueError(
-            "moe_paged_stash is not supported with moe_flex_dispatcher_backend='deepepv2'. Megatron's paged stash "
-            "pages only the Transformer Engine grouped tensors that TEGroupedMLP's op-fuser path saves for backward "
-            "(--use-transformer-engine-op-fuser --moe-grouped-gemm), and deepepv2 has not run behind that path: its "
-            "tested experts (SyncFreeSequentialMLP, SequentialMLP) save plain tensors, which paged stash leaves in "
-            "place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
-            "Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) works with deepepv2."
-        )
-    if config.num_moe_experts is None:
-        return
-    if config.moe_token_dispatcher_type != "flex":
-        raise ValueError(
-            f"moe_flex_dispatcher_backend='deepepv2' requires moe_token_dispatcher_type='flex' (got "
-            f"{config.moe_token_dispatcher_type!r}); pass --moe-token-dispatcher-type flex."
-        )
-    if config.moe_pad_expert_input_to_capacity:
-        raise ValueError(
-            "Flex token dispatcher with the deepepv2 backend does not support moe_pad_expert_input_to_capacity; "
-            "drop --moe-pad-expert-input-to-capacity (capacity dropping with --moe-expert-capacity-factor works)."
-        )
+    if getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME:
+        check_megatron_config(config)
 
 
 def _patch_config_validation() -> None:
@@ -336,7 +306,7 @@ def _patch_moe_layer_expert_check() -> None:
     def __init__(self, *args, **kwargs) -> None:
         from megatron_deepepv2.config import get_settings  # noqa: PLC0415
         from megatron_deepepv2.experts import check_experts_take_device_counts, sync_free_submodules  # noqa: PLC0415
-        from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
+        from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
 
         config = kwargs["config"] if "config" in kwargs else args[0]
         deepepv2 = is_deepepv2(config)
@@ -539,6 +509,7 @@ def install() -> InstallReport:
             )
         from megatron_deepepv2.config import get_settings  # noqa: PLC0415
 
+        check_settings(get_settings())
         manager = get_settings().manager
         report = InstallReport(megatron_version=str(version), native_available=supports_deepepv2_natively(),
                                manager=manager)

@@ -1,31 +1,22 @@
-"""``_DeepepV2Manager``: Megatron's ``_DispatchManager`` contract on top of :mod:`megatron_deepepv2.ops`.
+"""``_DeepepV2Manager``: Megatron's flex-dispatcher stages over :mod:`megatron_deepepv2.ops`, and the policy that maps
+a Megatron ``TransformerConfig`` onto a dispatch configuration (:func:`dispatch_config_for`).
 
 Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` -> ``dispatch`` ->
-``get_permuted_hidden_states_by_experts`` -> experts -> ``get_restored_hidden_states_by_experts`` ->
-``combine``). This manager implements them over DeepEP's expand layout: each expert block padded to
-``get_align_size_for_quantization(config)`` (1 when 0) with zero rows and zero probs, so permute and unpermute are
-identities and tokens per expert come from the dispatch handle (the experts must not pad again:
-:mod:`megatron_deepepv2.integration` makes ``skip_routed_expert_padding`` say so). The dispatch settings are resolved
-once per ``TransformerConfig`` by :func:`megatron_deepepv2.policy.dispatch_config_for`; each dispatch reaches DeepEP
-through three frames of this package (:meth:`_DeepepV2Manager.dispatch`, the autograd Function, the backend).
+``get_permuted_hidden_states_by_experts`` -> experts -> ``get_restored_hidden_states_by_experts`` -> ``combine``).
+This one dispatches in DeepEP's expand layout: each expert block padded to ``get_align_size_for_quantization(config)``
+(at least 1) with zero rows and zero probs, so permute and unpermute are identities and the tokens per expert come from
+the dispatch handle (the experts must not pad again: :mod:`megatron_deepepv2.integration` makes
+``skip_routed_expert_padding`` say so). Each stage calls the autograd Function of its op, which calls the backend.
 
-No host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``): the dispatch output has the worst-case
-row count and ``get_number_of_tokens_per_expert()`` is a device tensor; nothing on this path reads a
-device value on the host, so the layer can be captured in a CUDA graph. The experts must take device
-counts (:mod:`megatron_deepepv2.experts`).
+Without host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``) the dispatch output has the worst-case row count,
+``get_number_of_tokens_per_expert()`` is a device tensor and nothing on this path reads the device on the host, so the
+layer can be captured in a CUDA graph; the experts must take device counts (:mod:`megatron_deepepv2.experts`).
 
-Capacity factor: selections the router dropped (prob 0) become expert ``-1`` and are not sent.
-
-Receive bound (``--moe-expert-rank-capacity-factor``): the experts get at most
-:meth:`_DeepepV2Manager.receive_bound` rows -- HybridEP's budget, ``align(int(T * K * factor), alignment)`` for the
-``T`` tokens this rank dispatches -- a static size (what a CUDA graph of the no-host-sync mode wants) instead of the
-dispatch's worst case. Rows past it are dropped, the dropped selections counted on the device (``dropped_rows``) and
-flagged in ``over_budget``, which Megatron's ``check_over_budget`` reads and ``reset_over_budget`` clears with the
-count. Megatron's over-budget rerun (``PagedStashRunner``) sets ``moe_expert_rank_capacity_factor`` to None for a
-dropless rerun and restores it from the config, as for HybridEP. The kept rows are copied out of the worst-case
-receive (:class:`_KeepRows`), so the experts save bound-sized tensors for backward and the worst-case tensor lives only
-until :class:`_RestoreRows` reuses it as the combine's input; the backward reuses the combine backward's gradient the
-same way when nothing else holds it.
+Receive bound (``--moe-expert-rank-capacity-factor``): the experts get at most :meth:`_DeepepV2Manager.receive_bound`
+rows, HybridEP's budget, a static size; rows past it are dropped and counted on the device (``dropped_rows``,
+``over_budget``, which Megatron's ``check_over_budget`` reads and ``reset_over_budget`` clears). The kept rows are a
+copy (:class:`_KeepRows`), so the experts save bound-sized tensors for backward, and the worst-case receive is reused
+as the combine's input (:class:`_RestoreRows`).
 """
 
 from __future__ import annotations
@@ -35,43 +26,74 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from megatron_deepepv2 import ops
-from megatron_deepepv2.backends import DispatchHandle
+from megatron_deepepv2 import ops, validation
+from megatron_deepepv2.backends import SYNC, DispatchConfig, DispatchHandle, ExpertLayout
+from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.layout import receive_bound_rows
-from megatron_deepepv2.policy import dispatch_config_for
 
 logger = logging.getLogger(__name__)
 
 _warned_low_precision_probs = False
 
-#: The stream mode of every call of this manager, whatever Megatron passes: synchronous. Megatron asks for
-#: ``async_finish`` and ``allocate_on_comm_stream``, then waits for the event at once, as every op here does before it
-#: returns; in DeepEP's async mode that wait costs an event capture, an event wait and a ``record_stream`` of every
-#: input and output per call (150-340 us per forward + backward step on one H200, docs/benchmarks.md) and orders
-#: nothing differently: the synchronous call makes the communication stream wait for the current stream and the
-#: current stream wait for it, and allocates its outputs on the current stream, whose later work it precedes.
-_STREAMS = ops.STREAMS[False, False]
+
+def alignment_for(config: Any) -> int:
+    """Row alignment the experts of a Megatron config need (grouped GEMM, quantization), 1 when none."""
+    return max(int(moe_utils.get_align_size_for_quantization(config)), 1)
 
 
-class _DeepepV2Manager(_DeepepManager):
+def configured_num_sms(config: Any) -> int:
+    """Megatron's SM count for the dispatcher kernels, 0 when unset: ``moe_flex_dispatcher_num_sms`` (megatron-core
+    >= 0.19, None = unset), else ``moe_deepep_num_sms`` (whose default, 20, counts as set)."""
+    if hasattr(config, "moe_flex_dispatcher_num_sms"):
+        return int(config.moe_flex_dispatcher_num_sms or 0)
+    return int(getattr(config, "moe_deepep_num_sms", 0) or 0)
+
+
+def dispatch_config_for(config: Any) -> DispatchConfig:
+    """The dispatch configuration of a Megatron ``TransformerConfig``, resolved on first use and kept on it: every
+    layer built from one config (a model's, usually) shares it, whatever the settings say later.
+
+    The expand layout, zero padding, :func:`alignment_for`, Megatron's SM count over the ``num_sms`` setting,
+    deterministic when the settings or ``--deterministic-mode`` say, and none of the passes only direct callers need
+    (the ids come from ``torch.topk``; nothing reads other ranks' weights or the rows past the valid ones).
+
+    Raises:
+        ValueError: If the settings or the config are out of range, the backend cannot run the mode, or FP8 dispatch
+            is asked for with a hidden size that is not a multiple of 128.
+        TypeError: If FP8 dispatch is asked for by a model that does not train in BF16.
+        ImportError: If the configured backend was named explicitly and cannot run.
+    """
+    resolved = getattr(config, "_deepepv2_dispatch_config", None)
+    if resolved is not None:
+        return resolved
+    settings = get_settings()
+    resolved = ops.resolve_config(
+        layout=ExpertLayout.EXPAND, expert_alignment=alignment_for(config), zero_padding=True,
+        num_sms=configured_num_sms(config) or settings.num_sms,
+        deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
+        check_ids=False, mask_foreign_weights=False, clear_tail=False)
+    if resolved.settings.fp8_dispatch:
+        validation.check_fp8_model(config)
+    object.__setattr__(config, "_deepepv2_dispatch_config", resolved)
+    return resolved
+
+
+class _DeepepV2Manager(_DispatchManager):
     """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``.
-
-    Subclasses ``_DeepepManager`` (what Megatron's flex dispatcher and its hooks expect of a manager) without calling
-    its ``__init__``, which requires DeepEP v1.
 
     Args:
         group: The TPxEP process group of the flex dispatcher.
         num_local_experts: Experts on this rank.
         router_topk: Top-k over the TPxEP group (``tp * moe_router_topk``).
         num_experts: Experts over the TPxEP group (``tp * num_moe_experts``).
-        config: Megatron ``TransformerConfig``. Its ``deterministic_mode`` (``--deterministic-mode``) turns
-            on deepepv2's deterministic mode for this dispatcher, as ``MEGATRON_DEEPEPV2_DETERMINISTIC=1`` does.
+        config: Megatron ``TransformerConfig`` (see :func:`dispatch_config_for`).
 
     Raises:
         ImportError: If the configured backend was named explicitly and cannot run.
-        ValueError: If the layout setting is not expand, or the backend cannot run the configured mode.
+        ValueError: If the configuration is out of range or the backend cannot run the configured mode.
     """
 
     def __init__(
@@ -80,7 +102,7 @@ class _DeepepV2Manager(_DeepepManager):
         num_local_experts: int,
         router_topk: int,
         num_experts: int,
-        config,
+        config: Any,
     ) -> None:
         self.group = group
         self.num_local_experts = num_local_experts
@@ -89,14 +111,13 @@ class _DeepepV2Manager(_DeepepManager):
         self.num_experts = num_experts
         self.router_dtype = config.moe_router_dtype
         self.capacity_factor = config.moe_expert_capacity_factor
-        self.permute_fusion = config.moe_permute_fusion
-        self.dispatch_config = dispatch_config_for(config)  # fails early for an explicit backend
-        self.dispatcher = self.dispatch_config.dispatcher(group, num_experts)
-        #: Megatron's name and semantics (HybridEP's manager): None = dropless. Megatron's over-budget rerun sets it to
-        #: None for the rerun and restores it from ``config.moe_expert_rank_capacity_factor``; read at every dispatch.
+        self.dispatch_config = dispatch_config_for(config)
+        self.dispatcher = ops.bind(self.dispatch_config, group, num_experts)
+        #: Megatron's name and meaning (HybridEP's manager): None = dropless. Megatron's over-budget rerun sets it to
+        #: None for the rerun and restores it from the config; read at every dispatch.
         self.moe_expert_rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
-        # Megatron's budget hooks (check_over_budget / reset_over_budget) look for `over_budget` with hasattr: it
-        # and `dropped_rows` exist only with a bound, from its first dispatch on (on that dispatch's device).
+        # Megatron's budget hooks look for `over_budget` with hasattr: it and `dropped_rows` exist only with a bound,
+        # from its first dispatch on.
         self._bound_slot: Optional[_BoundSlot] = None
 
         self.token_indices: Optional[torch.Tensor] = None
@@ -130,16 +151,16 @@ class _DeepepV2Manager(_DeepepManager):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> torch.Tensor:
-        """Sends tokens to their experts' ranks; keeps routing for the later stages.
+        """Sends tokens to their experts' ranks; keeps the routing for the later stages.
 
         Args:
             hidden_states: ``[T, H]`` tokens.
-            async_finish: Megatron's asynchronous-communication flag (it passes True); calls here are synchronous
-                whatever it says (see ``_STREAMS``).
-            allocate_on_comm_stream: Megatron's flag (it passes True); see ``async_finish``.
+            async_finish: Megatron's flag. Every call here is synchronous (:data:`~megatron_deepepv2.backends.base.
+                SYNC`), which orders the streams as the asynchronous call followed by Megatron's wait does.
+            allocate_on_comm_stream: Megatron's flag; see ``async_finish``.
 
         Returns:
-            Received rows in the expand layout.
+            ``[N, H]`` received rows in the expand layout (``N``: the bound, with a receive bound).
         """
         global _warned_low_precision_probs
         if self.token_probs.dtype != torch.float32:
@@ -147,20 +168,9 @@ class _DeepepV2Manager(_DeepepManager):
                 logger.warning("deepepv2 dispatches fp32 probs; set --moe-router-dtype fp32 to avoid a cast.")
                 _warned_low_precision_probs = True
             self.token_probs = self.token_probs.float()
-        # The op itself, not ops.dispatch: the inputs are this manager's own (contiguous, fp32 probs), so the layer's
-        # bound dispatcher checks and leases, and the Function calls the backend.
-        bound = self.dispatcher
-        hidden_states = hidden_states.contiguous()  # no copy when it is already (DeepEP needs it)
-        buffer = bound.prepare(hidden_states, self.token_indices, self.token_probs)
-        side: list = []
-        try:
-            recv_x, self.dispatched_probs = ops.DispatchFunction.apply(
-                hidden_states, self.token_probs, (bound, buffer, self.token_indices, None, _STREAMS, side))
-        except Exception as error:
-            raise ops.peer_failure(error, self.group) from error
-        _, self.dispatched_indices, self.handle = side
-        if self.host_sync:
-            # Host counts (already on the host: the dispatch synchronised to size its outputs).
+        recv_x, self.dispatched_probs, _, self.dispatched_indices, self.handle = ops.DispatchFunction.apply(
+            hidden_states.contiguous(), self.token_probs, self.dispatcher, self.token_indices, None, SYNC)
+        if self.dispatch_config.host_sync:  # the counts are on the host already: the dispatch read them
             self.tokens_per_expert = torch.tensor(self.handle.tokens_per_expert_list, dtype=torch.int64)
         else:
             self.tokens_per_expert = self.handle.tokens_per_expert
@@ -210,7 +220,7 @@ class _DeepepV2Manager(_DeepepManager):
         ends = torch.cumsum(counts, 0)
         self.tokens_per_expert = (ends.clamp(max=bound) - (ends - counts)).clamp(min=0)  # blocks cut at the bound
         selected = self.dispatched_probs[bound:] != 0
-        if not self.host_sync:  # rows past the valid ones are unspecified
+        if not self.dispatch_config.host_sync:  # rows past the valid ones are unspecified
             rows = torch.arange(bound, num_rows, device=selected.device)
             selected &= rows < handle.num_valid_rows.to(selected.device)
         dropped = selected.sum().to(device=device, dtype=torch.int64).reshape(1)
@@ -225,16 +235,6 @@ class _DeepepV2Manager(_DeepepManager):
         if hasattr(self, "over_budget"):
             self.over_budget.fill_(False)
             self.dropped_rows.zero_()
-
-    @property
-    def host_sync(self) -> bool:
-        """Whether this layer's dispatches wait on the host for exact sizes."""
-        return self.dispatch_config.host_sync
-
-    @property
-    def deterministic(self) -> bool:
-        """Whether this layer's dispatches are bit-exact run to run."""
-        return self.dispatch_config.deterministic
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
         """Returns ``(rows grouped by local expert, their probs)``: the dispatch output already is that layout
@@ -263,17 +263,18 @@ class _DeepepV2Manager(_DeepepManager):
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> torch.Tensor:
-        """Sums every token's expert outputs back on its rank and releases the routing state.
+        """Sums every token's expert outputs back on its rank and releases the routing state (the router's probs too:
+        they hold the step's autograd graph, which a later CUDA-graph capture must not see).
 
-        The router's ``token_probs`` go too (Megatron's v1 manager keeps them): they carry the step's autograd
-        graph, which would keep the parameters' gradient accumulators alive with the stream of the first step;
-        an eager step on the default stream then made a later CUDA-graph capture fail ("operation would make
-        the legacy stream depend on a capturing blocking stream").
+        Args:
+            hidden_states: Expert outputs in the dispatch's receive layout.
+            async_finish: Megatron's flag; see :meth:`dispatch`.
+            allocate_on_comm_stream: Megatron's flag; see :meth:`dispatch`.
+
+        Returns:
+            ``[T, H]`` combined tokens.
         """
-        combined = ops.combine(
-            hidden_states, self.handle, async_finish=_STREAMS.async_finish,
-            allocate_on_comm_stream=_STREAMS.allocate_on_comm_stream
-        )
+        combined = ops.CombineFunction.apply(hidden_states, self.handle, SYNC)
         self.token_indices = None
         self.token_probs = None
         self.handle = None

@@ -1,57 +1,189 @@
-"""Input validation for dispatch and combine, run before any communication starts (a rank that raised inside a
-collective would leave its peers waiting). Each error names the argument, its value and how to fix it.
+"""Every rule of megatron-deepepv2 on settings, configurations and inputs, each written once; each error names the
+argument, its value and how to fix it. Rules run before any communication starts (a rank that raised inside a
+collective would leave its peers waiting).
 
-* **static checks** (always): types, dtypes, shapes, devices and limits such as ``num_experts % group_size`` or
-  DeepEP's ``H % 256`` for combine; no device sync. A binding runs them once per input signature.
-* **expert-id checks** (``check_ids``, direct calls): ids in ``[-1, num_experts)``, no expert twice in a row.
-  On CUDA one Triton kernel clears a flag: with host sync the flag is read (a ValueError naming the token), without
-  a device-side assert stops the process (a bad id must not reach the exchange). On CPU the ids are read.
-* **agreed checks** (``validate``): the same on the host, then one small all-reduce, so bad input on one rank
-  raises on every rank; it also names ranks whose dtype, hidden size, top-k or FP8-ness differ.
+* **configuration rules** (:func:`check_settings`, :func:`check_dispatch_config`, :func:`check_binding`,
+  :func:`check_megatron_config`): once, when a configuration is resolved or bound to a group;
+* **static input checks** (:func:`check_dispatch_inputs`, :func:`check_combine_inputs`): types, dtypes, shapes,
+  devices and backend limits, no device sync; once per input signature;
+* **expert-id checks** (``check_ids``, direct calls): ids in ``[-1, num_experts)``, no expert twice in a row. On CUDA
+  one Triton kernel clears a flag: with host sync the flag is read (a ValueError naming the token), without a
+  device-side assert stops the process (a bad id must not reach the exchange). On CPU the ids are read;
+* **agreed checks** (``validate``): the same on the host, then one small all-reduce, so bad input on one rank raises
+  on every rank; it also names ranks whose dtype, hidden size, top-k or FP8-ness differ.
 
 Without ``validate`` a rank that rejects its input raises alone, after leaving its error in the rendezvous store
 (:func:`megatron_deepepv2.failures.announce_failure`); a peer raises naming that rank and its error -- within
-milliseconds over gloo, where waits watch the store, else when its own wait fails (the rank exits, the group's
-timeout, DeepEP's). With ``validate`` every rank raises together, a peer naming the rejecting ranks and their errors.
+milliseconds over gloo, where waits watch the store, else when its own wait fails. With ``validate`` every rank raises
+together, a peer naming the rejecting ranks and their errors.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with every CUDA build of PyTorch on Linux
-    triton = None
-    tl = None
-
+from megatron_deepepv2.expert_kernels import tl, triton
 from megatron_deepepv2.failures import agreed, all_gather_ints, all_reduce_max, announce_failure, announced_failures
-from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle, ExpertLayout, HiddenStates
+from megatron_deepepv2.fp8 import BLOCK as FP8_BLOCK
+from megatron_deepepv2.layout import ExpertLayout
+
+if TYPE_CHECKING:
+    from megatron_deepepv2.backends.base import BackendLimits, DispatchConfig, DispatchHandle
+    from megatron_deepepv2.config import DeepepV2Settings
+    from megatron_deepepv2.layout import HiddenStates
 
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+#: Values of the ``manager`` and ``experts`` settings.
+MANAGERS = ("plugin", "native")
+EXPERTS = ("spec", "sync_free")
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def check_settings(settings: "DeepepV2Settings") -> None:
+    """The rules on the values of the settings.
+
+    Raises:
+        ValueError: For a value its setting cannot take, naming the setting's environment variable.
+    """
+    if settings.manager not in MANAGERS:
+        raise ValueError(f"manager={settings.manager!r} is not one of {', '.join(MANAGERS)} (MEGATRON_DEEPEPV2_MANAGER: "
+                         "'plugin' for this package's deepepv2, 'native' for megatron-core's own).")
+    if settings.experts not in EXPERTS:
+        raise ValueError(f"experts={settings.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS: "
+                         "'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
+                         "SequentialMLP).")
+    if settings.num_max_tokens_per_rank is not None and int(settings.num_max_tokens_per_rank) <= 0:
+        raise ValueError(f"num_max_tokens_per_rank={settings.num_max_tokens_per_rank} must be a positive token count, "
+                         "or unset to take the largest first batch over the ranks (MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK).")
+    if float(settings.growth_timeout_s) <= 0:
+        raise ValueError(f"growth_timeout_s={settings.growth_timeout_s} must be a positive number of seconds "
+                         "(MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S).")
+    if int(settings.num_sms) < 0:
+        raise ValueError(f"num_sms={settings.num_sms} must be >= 0, 0 letting the backend choose "
+                         "(MEGATRON_DEEPEPV2_NUM_SMS).")
+
+
+def check_dispatch_config(config: "DispatchConfig") -> None:
+    """The rules on a dispatch configuration and its settings, run once when it is resolved.
+
+    Raises:
+        ValueError: For a setting out of range, an alignment below 1, zero padding outside the expand layout, or a
+            mode the backend cannot run.
+    """
+    check_settings(config.settings)
+    alignment = config.expert_alignment
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+        raise ValueError(f"expert_alignment={alignment!r} must be an integer >= 1 (1 = no padding).")
+    if config.zero_padding and config.layout is not ExpertLayout.EXPAND:
+        raise ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
+    if not config.zero_padding and config.layout is ExpertLayout.EXPAND and alignment > 1:
+        raise ValueError(f"zero_padding=False with layout='expand' and expert_alignment={alignment} would leave the "
+                         "padding rows holding whatever the memory held (NaN or -inf included), and a grouped GEMM's "
+                         "weight gradient reads them. Leave zero_padding unset (it zero-fills whenever blocks are "
+                         "padded), or use expert_alignment=1 for blocks without padding.")
+    settings = config.settings
+    if settings.deterministic and not settings.host_sync and not config.backend.limits.deterministic_without_host_sync:
+        raise ValueError(
+            f"Dispatch without host sync cannot be combined with deterministic mode on the {config.backend.name} "
+            "backend: DeepEP 2.1.0's deterministic sort selects rows with boolean masks, which synchronises the host "
+            "(and fails in CUDA-graph capture). Turn off MEGATRON_DEEPEPV2_NO_HOST_SYNC, or deterministic mode "
+            "(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode); the reference backend supports "
+            "both together.")
+
+
+def check_binding(num_experts: int, group_size: int) -> None:
+    """The rule on binding a configuration to a group: every rank hosts the same number of experts.
+
+    Raises:
+        ValueError: If ``num_experts`` is not a positive multiple of ``group_size``.
+    """
+    if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % group_size:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the expert-parallel group size "
+                         f"{group_size} so that every rank hosts the same number of experts.")
+
+
+def fp8_hidden_size_problem(hidden: int) -> Optional[ValueError]:
+    """A ValueError when ``hidden`` is not a multiple of FP8 dispatch's 128-value scale block, else None."""
+    if hidden % FP8_BLOCK:
+        return ValueError(f"FP8 dispatch scales blocks of {FP8_BLOCK} values: hidden size {hidden} is not a multiple "
+                          f"of {FP8_BLOCK}. Turn FP8 dispatch off (MEGATRON_DEEPEPV2_FP8_DISPATCH=0) for this model.")
+    return None
+
+
+def check_megatron_config(config: Any) -> None:
+    """The rules on a Megatron ``TransformerConfig`` that selects deepepv2.
+
+    Raises:
+        ValueError: For a combination deepepv2 does not support, saying what to change.
+    """
+    if getattr(config, "moe_enable_deepep", False):
+        raise ValueError(
+            "moe_enable_deepep=True selects the DeepEP v1 backend but moe_flex_dispatcher_backend='deepepv2' "
+            "was also given. Drop --moe-enable-deepep (deprecated) and keep --moe-flex-dispatcher-backend deepepv2.")
+    rank_capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    if rank_capacity_factor is not None and not rank_capacity_factor > 0:
+        raise ValueError(f"moe_expert_rank_capacity_factor={rank_capacity_factor} must be a positive factor of the "
+                         "per-rank receive (tokens per rank x top-k), or unset for a dropless receive.")
+    if getattr(config, "moe_paged_stash", False):
+        raise ValueError(
+            "moe_paged_stash is not supported with moe_flex_dispatcher_backend='deepepv2'. Megatron's paged stash "
+            "pages only the Transformer Engine grouped tensors that TEGroupedMLP's op-fuser path saves for backward "
+            "(--use-transformer-engine-op-fuser --moe-grouped-gemm), and deepepv2 has not run behind that path: its "
+            "tested experts (SyncFreeSequentialMLP, SequentialMLP) save plain tensors, which paged stash leaves in "
+            "place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
+            "Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) works with deepepv2.")
+    if config.num_moe_experts is None:
+        return
+    if config.moe_token_dispatcher_type != "flex":
+        raise ValueError(
+            f"moe_flex_dispatcher_backend='deepepv2' requires moe_token_dispatcher_type='flex' (got "
+            f"{config.moe_token_dispatcher_type!r}); pass --moe-token-dispatcher-type flex.")
+    if config.moe_pad_expert_input_to_capacity:
+        raise ValueError(
+            "Flex token dispatcher with the deepepv2 backend does not support moe_pad_expert_input_to_capacity; "
+            "drop --moe-pad-expert-input-to-capacity (capacity dropping with --moe-expert-capacity-factor works).")
+
+
+def check_fp8_model(config: Any) -> None:
+    """The rules on a Megatron ``TransformerConfig`` whose layers dispatch in FP8.
+
+    Raises:
+        TypeError: If the model does not train in BF16.
+        ValueError: If its hidden size is not a multiple of 128.
+    """
+    bf16 = bool(getattr(config, "bf16", False)) or getattr(config, "params_dtype", None) == torch.bfloat16
+    if not bf16:
+        raise TypeError("FP8 dispatch (MEGATRON_DEEPEPV2_FP8_DISPATCH=1) quantises BF16 hidden states; this model "
+                        "does not train in BF16. Add --bf16 or turn FP8 dispatch off.")
+    problem = fp8_hidden_size_problem(config.hidden_size)
+    if problem is not None:
+        raise problem
+
+
+def host_sync_capture_problem() -> RuntimeError:
+    """The error of a dispatch with host sync inside CUDA-graph capture."""
+    return RuntimeError(
+        "deepepv2 dispatch with host sync inside CUDA-graph capture: the dispatch waits on the host for sizes that "
+        "captured kernels never produce (DeepEP would spin until its CPU timeout). Capture dispatches without host "
+        "sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers.")
+
+
 def check_dispatch_inputs(
-    x: HiddenStates,
+    x: "HiddenStates",
     topk_idx: torch.Tensor,
     topk_weights: Optional[torch.Tensor],
     *,
-    num_experts: int,
-    group_size: int,
-    limits: BackendLimits,
-    layout: ExpertLayout,
-    expert_alignment: int,
-    zero_padding: Optional[bool],
+    limits: "BackendLimits",
+    fp8_dispatch: bool = False,
     num_max_tokens_per_rank: Optional[int] = None,
+    num_experts: int = 0,
     check_values: bool = False,
 ) -> Optional[Exception]:
     """Checks dispatch arguments; returns the first problem instead of raising it.
@@ -60,13 +192,10 @@ def check_dispatch_inputs(
         x: ``[T, H]`` hidden states or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
         topk_idx: ``[T, K]`` int64 expert ids, ``-1`` = none.
         topk_weights: ``[T, K]`` fp32 weights or None.
-        num_experts: Global number of experts.
-        group_size: Ranks in the expert-parallel group.
         limits: The backend's static limits.
-        layout: Requested receive layout.
-        expert_alignment: Expand block alignment.
-        zero_padding: Whether expand padding is zero-filled (None: whenever there is padding).
-        num_max_tokens_per_rank: Token capacity to check ``T`` against, or None to skip.
+        fp8_dispatch: Whether the dispatch quantises ``x`` to FP8 (it must be a BF16 tensor then).
+        num_max_tokens_per_rank: Token limit to check ``T`` against, or None to skip.
+        num_experts: Global number of experts (for ``check_values``).
         check_values: Also check expert id values (reads ``topk_idx`` on the host).
 
     Returns:
@@ -78,11 +207,19 @@ def check_dispatch_inputs(
                          f"{len(x)} item(s) of types {[type(t).__name__ for t in x]}.")
     if not is_fp8 and not isinstance(x, torch.Tensor):
         return TypeError(f"x must be a torch.Tensor [T, H] or an FP8 pair; got {type(x).__name__}.")
+    if fp8_dispatch and is_fp8:
+        return TypeError("FP8 dispatch quantises BF16 hidden states itself; pass the BF16 tensor, not an FP8 pair "
+                         "(or turn FP8 dispatch off to pass pairs through).")
     data, scales = x if is_fp8 else (x, None)
     if data.dim() != 2:
         return ValueError(f"x must be 2-D [num_tokens, hidden]; got shape {tuple(data.shape)}. Flatten leading dims "
                           "with x.view(-1, hidden).")
     num_tokens, hidden = data.shape
+    if fp8_dispatch and data.dtype != torch.bfloat16:
+        return TypeError(f"FP8 dispatch quantises BF16 hidden states; got {data.dtype}. Train in BF16 (--bf16) or turn "
+                         "FP8 dispatch off (MEGATRON_DEEPEPV2_FP8_DISPATCH=0).")
+    if fp8_dispatch and hidden % FP8_BLOCK:
+        return fp8_hidden_size_problem(hidden)
     if is_fp8 and data.dtype not in _FP8_DTYPES:
         return TypeError(f"x[0] of an FP8 pair must have an FP8 dtype ({_dtype_names(_FP8_DTYPES)}); got {data.dtype}.")
     if is_fp8 and (scales.dim() != 2 or scales.shape[0] != num_tokens or scales.element_size() != 4):
@@ -122,19 +259,6 @@ def check_dispatch_inputs(
                               f"{tuple(topk_idx.shape)}.")
         if topk_weights.device != data.device:
             return ValueError(f"topk_weights is on {topk_weights.device} but x is on {data.device}.")
-    if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % group_size:
-        return ValueError(f"num_experts={num_experts} must be a positive multiple of the expert-parallel group size "
-                          f"{group_size} so that every rank hosts the same number of experts.")
-    if not isinstance(expert_alignment, int) or expert_alignment < 1:
-        return ValueError(f"expert_alignment={expert_alignment!r} must be an integer >= 1 (1 = no padding).")
-    if zero_padding and layout is not ExpertLayout.EXPAND:
-        return ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
-    if zero_padding is False and layout is ExpertLayout.EXPAND and isinstance(expert_alignment, int) \
-            and expert_alignment > 1:
-        return ValueError(f"zero_padding=False with layout='expand' and expert_alignment={expert_alignment} would "
-                          "leave the padding rows holding whatever the memory held (NaN or -inf included), and a "
-                          "grouped GEMM's weight gradient reads them. Leave zero_padding unset (it zero-fills "
-                          "whenever blocks are padded), or use expert_alignment=1 for blocks without padding.")
     if num_max_tokens_per_rank is not None and num_tokens > num_max_tokens_per_rank:
         return ValueError(f"This rank dispatches {num_tokens} tokens but num_max_tokens_per_rank="
                           f"{num_max_tokens_per_rank}. Raise num_max_tokens_per_rank "
@@ -292,29 +416,27 @@ def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
     torch._assert_async(ok, _BAD_IDS_MESSAGE)
 
 
-def check_combine_inputs(x: torch.Tensor, handle: DispatchHandle,
+def check_combine_inputs(x: torch.Tensor, handle: "DispatchHandle",
                          topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
     """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply).
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None.
     """
-    if not isinstance(handle, DispatchHandle):
-        return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
-    limits, rows = handle.backend.limits, handle.num_recv_rows
+    limits, rows = handle.buffer.limits, handle.num_recv_rows
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         return ValueError(f"combine input must be a 2-D tensor [rows, hidden]; got {shape}.")
     if x.shape[0] != rows:
         return ValueError(f"combine input has {x.shape[0]} rows but the dispatch delivered {rows} "
-                          f"({handle.layout.value} layout); pass rows in the dispatch's receive layout.")
+                          f"({handle.config.layout.value} layout); pass rows in the dispatch's receive layout.")
     if x.dtype not in limits.combine_dtypes:
         return TypeError(f"combine input has dtype {x.dtype}; this backend combines "
                          f"{_dtype_names(limits.combine_dtypes)}. Cast with .to(torch.bfloat16).")
     if x.shape[1] % limits.combine_hidden_multiple:
         return ValueError(f"combine hidden={x.shape[1]} is not a multiple of {limits.combine_hidden_multiple}, which "
                           "this backend requires.")
-    expected = (rows,) if handle.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
+    expected = (rows,) if handle.config.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
     if topk_weights is not None and (topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != expected):
         return ValueError(f"combine topk_weights must be float32 of shape {expected}; got {topk_weights.dtype} "
                           f"{tuple(topk_weights.shape)}.")

@@ -24,14 +24,14 @@ from megatron_deepepv2.backends.base import (
     BufferSpec,
     CombineOutput,
     DispatchBackend,
+    DispatchConfig,
     DispatchHandle,
-    DispatchOutput,
-    Routing,
+    DispatchResult,
     Streams,
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
 from megatron_deepepv2.backends.reference import ReferenceBackend
-from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, rows_past_valid, worst_case_recv_rows
+from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 logger = logging.getLogger(__name__)
 
@@ -105,17 +105,14 @@ __all__ = [
     "CombineOutput",
     "DeepEPBackend",
     "DispatchBackend",
+    "DispatchConfig",
     "DispatchHandle",
-    "DispatchOutput",
+    "DispatchResult",
     "ExpertLayout",
     "HiddenStates",
     "ReferenceBackend",
-    "Routing",
     "Streams",
     "backend_names",
     "register_backend",
     "resolve_backend",
-    "align_up",
-    "rows_past_valid",
-    "worst_case_recv_rows",
 ]

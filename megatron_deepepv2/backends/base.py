@@ -1,10 +1,10 @@
-"""The backend contract: what every dispatch/combine backend of this package implements.
+"""The backend contract: what every dispatch/combine backend of this package implements, and the types it speaks.
 
-* :class:`BufferSpec` -- the shape key a communication buffer is built for;
-* :class:`Routing` and :class:`Streams` -- what a dispatch does and how it orders its streams: small tuples a caller
-  builds once and passes on every call (the call signature is written here, once);
-* :class:`DispatchHandle` -- what a dispatch leaves for combine and for a cached re-dispatch;
-* :class:`DispatchBackend` -- one communication buffer bound to one process group (built collectively).
+* :class:`DispatchConfig` -- what a layer's dispatches do, resolved once and passed on every call;
+* :class:`BufferSpec` -- what a communication buffer is built for;
+* :class:`Streams` and :data:`SYNC` -- how a call orders DeepEP's communication stream;
+* :class:`DispatchHandle` and :class:`DispatchResult` -- what a dispatch returns;
+* :class:`DispatchBackend` -- a backend class; each instance is one communication buffer on one process group.
 
 The semantics are ``deep_ep.ElasticBuffer``'s (DeepEP 2.1.0). **dispatch** sends every token to each rank hosting one
 of its experts: ``compact`` gives one row per (token, destination rank) in source-rank-major order with the token's
@@ -13,57 +13,87 @@ expert) selection, grouped by local expert, each block padded to ``expert_alignm
 is its transpose, an *unweighted* sum over the token's destinations; weights passed to it come back per top-k slot
 from the rank owning the slot's expert. **cached dispatch** repeats a routing for new data (combine's backward).
 With host sync a dispatch waits on the host for exact sizes; without, outputs have the worst-case size
-(:func:`~megatron_deepepv2.layout.worst_case_recv_rows`), valid rows first, counts on the device and derived when
-first asked for; rows past the valid extent are unspecified (the ops clear them for callers that read them). Every
-call returns with the current stream ordered after its communication, whatever :class:`Streams` says.
+(:func:`~megatron_deepepv2.layout.worst_case_recv_rows`), valid rows first, counts on the device; rows past the valid
+extent are unspecified. Every call returns with the current stream ordered after its communication.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.layout import (  # noqa: F401 - re-exported: the contract's vocabulary
-    ExpertLayout,
-    HiddenStates,
-    align_up,
-    rows_past_valid,
-    worst_case_recv_rows,
-)
+from megatron_deepepv2.config import DeepepV2Settings, buffer_settings
+from megatron_deepepv2.layout import ExpertLayout, HiddenStates
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """What a layer's dispatches do, the same on every call: resolved once
+    (:func:`megatron_deepepv2.ops.resolve_config`), checked once, then passed as it is.
+
+    Attributes:
+        backend: The backend class.
+        settings: The switches it was resolved with (:class:`~megatron_deepepv2.config.DeepepV2Settings`).
+        layout: Receive layout.
+        expert_alignment: Expand layout: each expert block is padded to a multiple of this (1 = none).
+        zero_padding: Expand layout: the padding rows and their weights are zero.
+        mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts.
+        clear_tail: Without host sync: expert id -1 and weight 0 past the valid rows, zero rows past them in a
+            combine's input gradient, for a consumer that reads every row.
+    """
+
+    backend: type["DispatchBackend"]
+    settings: DeepepV2Settings = field(default_factory=DeepepV2Settings)
+    layout: ExpertLayout = ExpertLayout.COMPACT
+    expert_alignment: int = 1
+    zero_padding: bool = False
+    mask_foreign_weights: bool = True
+    clear_tail: bool = True
+
+    def __post_init__(self) -> None:
+        # A configuration keys the backend's per-call argument cache on every call: hash it once.
+        object.__setattr__(self, "_hash", hash((self.backend, self.settings, self.layout, self.expert_alignment,
+                                                self.zero_padding, self.mask_foreign_weights, self.clear_tail)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def host_sync(self) -> bool:
+        """Whether a dispatch waits on the host for exact sizes."""
+        return self.settings.host_sync
 
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """The shape key of a communication buffer (dispatches with equal specs share one).
+    """What a communication buffer is built for.
 
     Attributes:
-        hidden: Hidden size ``H`` of the dispatched tokens.
-        num_topk: Number of experts each token selects (``K``).
-        use_fp8: Whether dispatch carries FP8 tokens with scales (a key only: every buffer is sized for BF16 rows,
-            which combine's backward sends, see :mod:`megatron_deepepv2.sizing`).
-        num_max_tokens_per_rank: Upper bound of tokens any rank dispatches in one call, the same on every rank
-            (DeepEP sizes the buffer and JIT-compiles its kernels for it).
-        deterministic: Whether received rows must come out in a run-to-run stable order.
-        num_sms: SMs the communication kernels may use (0 = the backend's choice).
-        allow_hybrid_mode: DeepEP's hybrid (RDMA x NVLink) mode; None: only when the group spans nodes.
+        hidden: Hidden size ``H`` of the rows it carries.
+        num_topk: Experts each token selects (``K``).
+        num_max_tokens_per_rank: Tokens any rank dispatches in one call at most, the same on every rank.
+        settings: The settings of the dispatches using it; the fields marked ``BUFFER`` in
+            :mod:`megatron_deepepv2.config` are construction arguments.
+        key: What buffers are kept apart by: hidden size, top-k and the construction settings (not the token count).
     """
 
     hidden: int
     num_topk: int
-    use_fp8: bool
     num_max_tokens_per_rank: int
-    deterministic: bool = False
-    num_sms: int = 0
-    allow_hybrid_mode: Optional[bool] = None
+    settings: DeepepV2Settings = field(default_factory=DeepepV2Settings, compare=False)
+
+    def __post_init__(self) -> None:
+        # Read on every dispatch (the buffer registry's key): computed once.
+        object.__setattr__(self, "key", (self.hidden, self.num_topk) + buffer_settings(self.settings))
 
 
 @dataclass(frozen=True)
 class BackendLimits:
-    """Static input limits of a backend, checked before any communication starts.
+    """Static limits of a backend, checked before any communication starts (:mod:`megatron_deepepv2.validation`).
 
     Attributes:
         dispatch_dtypes: Dtypes accepted for a plain (non-FP8) dispatch input.
@@ -72,6 +102,7 @@ class BackendLimits:
         fp8_hidden_multiple: FP8 dispatch needs ``H % fp8_hidden_multiple == 0``.
         max_topk: Largest supported top-k.
         requires_cuda: Whether tensors must live on a CUDA device.
+        deterministic_without_host_sync: Whether deterministic mode runs without host sync.
     """
 
     dispatch_dtypes: tuple[torch.dtype, ...]
@@ -80,93 +111,64 @@ class BackendLimits:
     fp8_hidden_multiple: int = 1
     max_topk: int = 32
     requires_cuda: bool = False
-
-
-class Routing(NamedTuple):
-    """What a fresh dispatch does, the same for every call of a layer.
-
-    Attributes:
-        num_experts: Global number of experts (a multiple of the group size).
-        layout: Receive layout.
-        expert_alignment: Expand layout: pad each expert block to a multiple of this (1 = none).
-        zero_padding: Expand layout: zero-fill the padding rows (and their weights).
-        host_sync: Wait on the host for exact sizes; False sizes outputs for the worst case and keeps counts on the
-            device (see the module docstring).
-    """
-
-    num_experts: int
-    layout: ExpertLayout = ExpertLayout.COMPACT
-    expert_alignment: int = 1
-    zero_padding: bool = False
-    host_sync: bool = True
+    deterministic_without_host_sync: bool = True
 
 
 class Streams(NamedTuple):
-    """How a call orders DeepEP's communication stream (Megatron's flex dispatcher passes both True).
+    """How a call orders DeepEP's communication stream.
 
     Attributes:
-        async_finish: Let the communication run asynchronously on the communication stream; the call still
-            makes the current stream wait for it before returning.
-        allocate_on_comm_stream: Allocate outputs on the communication stream (with ``async_finish`` only: a
-            synchronous call allocates on the current stream, where nothing else can reuse the memory early).
+        async_finish: Run the communication asynchronously on the communication stream; the call still makes the
+            current stream wait for it before returning.
+        allocate_on_comm_stream: Allocate outputs on the communication stream (with ``async_finish`` only).
     """
 
     async_finish: bool = False
     allocate_on_comm_stream: bool = False
 
 
-#: The synchronous stream mode.
+#: The synchronous stream mode: what every call of the Megatron manager uses.
 SYNC = Streams()
 
 
 class DispatchHandle:
-    """What a dispatch leaves for the matching combine and for cached re-dispatches: a plain attribute bag whose
-    counts are derived when first asked for (a caller that never reads them launches nothing for them). It holds
-    device tensors: keep it until the backward pass has used it.
+    """What a dispatch leaves for the matching combine and for cached re-dispatches. It holds device tensors and the
+    buffer that made them: keep it until the backward pass has used it.
 
     Attributes:
-        backend: The backend instance (buffer) that dispatched; combine must use the same one.
-        routing: The dispatch's :class:`Routing`.
-        native: Backend-private routing state (a DeepEP ``EPHandle``, or the reference backend's plan).
+        buffer: The buffer that dispatched; combine runs on it.
+        config: The dispatch's configuration.
+        native: Backend-private routing state (a DeepEP handle, or the reference backend's plan).
         num_tokens: Rows of the dispatch input on this rank (``T``); combine returns this many rows.
         num_topk: Top-k of the routing (``K``).
         num_recv_rows: Rows of the received tensor (the worst case without host sync).
-        config: The :class:`~megatron_deepepv2.ops.DispatchConfig` of the op that dispatched (None for a backend
-            called directly): combine agrees on its errors and clears its tail as the dispatch did.
     """
 
-    __slots__ = ("backend", "routing", "native", "num_tokens", "num_topk", "num_recv_rows", "config", "_device_counts",
+    __slots__ = ("buffer", "config", "native", "num_tokens", "num_topk", "num_recv_rows", "_device_counts",
                  "_host_counts", "__weakref__")
 
-    def __init__(self, backend: "DispatchBackend", routing: Routing, native: Any, num_tokens: int, num_topk: int,
+    def __init__(self, buffer: "DispatchBackend", config: DispatchConfig, native: Any, num_tokens: int, num_topk: int,
                  num_recv_rows: int, device_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  host_counts: Optional[list[int]] = None) -> None:
-        self.backend = backend
-        self.routing = routing
+        self.buffer = buffer
+        self.config = config
         self.native = native
         self.num_tokens = num_tokens
         self.num_topk = num_topk
         self.num_recv_rows = num_recv_rows
-        self.config = None
         self._device_counts = device_counts
         self._host_counts = host_counts
 
-    # The routing's fields, read where a handle is at hand.
-    layout = property(lambda self: self.routing.layout)
-    host_sync = property(lambda self: self.routing.host_sync)
-    num_experts = property(lambda self: self.routing.num_experts)
-    expert_alignment = property(lambda self: self.routing.expert_alignment)
-
     @property
     def tokens_per_expert_list(self) -> Optional[list[int]]:
-        """Alignment-padded rows per local expert on the host (what the dispatch read), None without host sync."""
-        if self._host_counts is None and self.routing.host_sync:
-            self._host_counts = self.backend.host_counts(self)
+        """Alignment-padded rows per local expert on the host (what the dispatch read); None without host sync."""
+        if self._host_counts is None and self.config.host_sync:
+            self._host_counts = self.buffer.host_counts(self)
         return self._host_counts
 
     def _counts(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._device_counts is None:
-            self._device_counts = self.backend.device_counts(self)
+            self._device_counts = self.buffer.device_counts(self)
         return self._device_counts
 
     @property
@@ -176,45 +178,56 @@ class DispatchHandle:
 
     @property
     def num_valid_rows(self) -> torch.Tensor:
-        """0-dim int64 on the rows' device: rows holding data (compact: received rows; expand: the sum of
-        ``tokens_per_expert``). Equals ``num_recv_rows`` with host sync."""
+        """0-dim int64 on the rows' device: rows holding data (expand: the sum of ``tokens_per_expert``); equals
+        ``num_recv_rows`` with host sync."""
         return self._counts()[1]
 
     def __repr__(self) -> str:
-        return (f"DispatchHandle({self.backend.name}, {self.routing.layout.value}, tokens={self.num_tokens}, "
-                f"top-k={self.num_topk}, rows={self.num_recv_rows}, host_sync={self.routing.host_sync})")
+        return (f"DispatchHandle({self.buffer.name}, {self.config.layout.value}, tokens={self.num_tokens}, "
+                f"top-k={self.num_topk}, rows={self.num_recv_rows}, host_sync={self.config.host_sync})")
 
 
-class DispatchOutput(NamedTuple):
-    """Result of a backend dispatch: received rows (an FP8 pair if one was sent), compact ``[N, K]`` local expert ids
-    (expand: None), weights as sent (compact ``[N, K]``, expand ``[N]``; None if none were sent), the handle."""
+class DispatchResult(NamedTuple):
+    """What a dispatch returns.
+
+    Attributes:
+        recv_x: Received rows ``[N, H]`` (an FP8 pair when one was dispatched).
+        recv_topk_idx: Compact: ``[N, K]`` int64 local expert ids (-1 = another rank's). Expand: None.
+        recv_topk_weights: Compact ``[N, K]`` / expand ``[N]`` fp32 weights, or None when none were dispatched.
+        handle: The handle for combine.
+    """
 
     recv_x: HiddenStates
     recv_topk_idx: Optional[torch.Tensor]
     recv_topk_weights: Optional[torch.Tensor]
     handle: DispatchHandle
 
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """``[E_local]`` int64 alignment-padded rows per local expert, on the rows' device."""
+        return self.handle.tokens_per_expert
+
 
 class CombineOutput(NamedTuple):
-    """Result of a backend combine: ``[T, H]`` sums and, when weights were given, ``[T, K]`` fp32 weights."""
+    """What a backend combine returns: ``[T, H]`` sums and, when weights were given, ``[T, K]`` fp32 weights."""
 
     x: torch.Tensor
     topk_weights: Optional[torch.Tensor]
 
 
 class DispatchBackend(ABC):
-    """A communication buffer that dispatches tokens to experts and combines them back. Subclasses register under
-    :attr:`name` (:mod:`megatron_deepepv2.backends`); construction and :meth:`destroy` are collective over ``group``;
-    inputs arrive checked (:mod:`megatron_deepepv2.validation`).
+    """A backend: the class names a way to communicate, each instance is one communication buffer bound to one
+    process group. Subclasses register under :attr:`name` (:mod:`megatron_deepepv2.backends`); construction and
+    :meth:`destroy` are collective over ``group``; inputs arrive checked (:mod:`megatron_deepepv2.validation`).
 
     Args:
         group: Process group spanning the expert-parallel ranks.
-        spec: Shape key the buffer is built for.
+        spec: What the buffer is built for.
     """
 
-    #: Registry name (``--moe-flex-dispatcher-backend deepepv2`` selects among these by name).
+    #: Registry name.
     name: ClassVar[str]
-    #: Static input limits checked before communication.
+    #: Static limits checked before communication.
     limits: ClassVar[BackendLimits]
 
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
@@ -222,33 +235,31 @@ class DispatchBackend(ABC):
         self.spec = spec
         self.group_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        #: Set when a larger buffer replaced this one: its handles still work, new dispatches go elsewhere.
-        self.retired = False
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
         """Why this backend cannot run in this process (what is missing, how to fix it), or None when it can."""
 
-    @classmethod
-    def preflight(cls, *, host_sync: bool = True, deterministic: bool = False) -> Optional[Exception]:
-        """A mode this backend cannot run (the exception says why and how to fix it), or None."""
-
     @abstractmethod
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                 routing: Routing, streams: Streams = SYNC) -> DispatchOutput:
+                 config: DispatchConfig, num_experts: int, streams: Streams = SYNC) -> DispatchResult:
         """Sends each token to the ranks hosting its selected experts.
 
         Args:
             x: ``[T, H]`` hidden states, or an FP8 pair ``(x_fp8 [T, H], scales [T, S])`` passed through.
             topk_idx: ``[T, K]`` contiguous int64 global expert ids, ``-1`` = no selection.
             topk_weights: ``[T, K]`` contiguous fp32 routing weights, or None.
-            routing: What the dispatch does.
+            config: What the dispatch does.
+            num_experts: Global number of experts, a multiple of the group size.
             streams: How it orders the communication stream.
+
+        Returns:
+            The received rows, ids (compact only) and weights as sent, and the handle.
         """
 
     @abstractmethod
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                        streams: Streams = SYNC) -> DispatchOutput:
+                        streams: Streams = SYNC) -> DispatchResult:
         """Repeats the routing of ``handle`` for new data ``[T, H]`` (no layout computation, no host sync); the
         output is in the layout of ``handle``, which it returns unchanged."""
 

@@ -1,22 +1,12 @@
 """DeepEP v2 adapter: the backend contract over DeepEP's expert-parallel buffer, both lines.
 
-It drives the buffer ``deep_ep`` has -- ``EPBuffer`` (V2.5) first, else ``ElasticBuffer`` (2.1); see
-:mod:`megatron_deepepv2.deepep_lines` -- with no setting; what differs between the lines lives in :class:`_LineCalls`
-(V2.5 keeps the caller's ``topk_idx`` in its handle, so it gets a copy: Megatron refills the same static tensor on every
-CUDA-graph replay before the pending backward reads the routing; V2.5 rounds ``num_sms`` up to even, which the
-backend does itself so that handle, log and buffer agree; ``defer_epilogue`` is not used: every call waits anyway).
-
-A thin layer: each call is one DeepEP call with keyword arguments built once per (call kind, routing, stream mode),
-and DeepEP's tensors come back as they are (counts only when asked for, :meth:`DeepEPBackend.device_counts`). The
-known traps, each handled where noted: the group's NCCL communicator is made before DeepEP reads it (a lazy one
-segfaults, DeepEP #726); cached dispatch and combine pass ``num_sms`` from the handle (0 with a handle raises, #685),
-and cached dispatch passes ``do_expand`` / ``do_zero_padding``; ``previous_event`` goes only with
-``allocate_on_comm_stream``, and outputs are allocated on the communication stream only in async mode, the one mode
-where DeepEP ``record_stream``-s them on the compute stream; ``current_stream_wait`` only in async mode (it asserts
-otherwise; it also runs the deterministic sort there); hybrid (RDMA x NVLink) mode only when the group spans nodes
-unless the spec says; the fill of uninitialised memory goes off around every call while torch's deterministic
-algorithms are on (DeepEP asserts against the pair; Megatron's ``--deterministic-mode`` sets both). ``deep_ep`` is
-imported lazily: :meth:`DeepEPBackend.unavailable_reason` says what is missing.
+It drives the buffer ``deep_ep`` has -- ``EPBuffer`` (V2.5) first, else ``ElasticBuffer`` (2.1), see
+:mod:`megatron_deepepv2.deepep_lines` -- and :class:`_LineCalls` holds what differs between the lines. Each call is one
+DeepEP call whose keyword arguments are translated from the :class:`~megatron_deepepv2.backends.base.DispatchConfig`
+once per (call kind, configuration, expert count, stream mode) in :meth:`DeepEPBackend._kwargs`, the one place a
+setting becomes a DeepEP argument (the buffer's construction arguments: :meth:`DeepEPBackend.__init__`). DeepEP's
+tensors come back as they are; counts are derived only when asked for. ``deep_ep`` is imported lazily:
+:meth:`DeepEPBackend.unavailable_reason` says what is missing.
 """
 
 from __future__ import annotations
@@ -36,12 +26,12 @@ from megatron_deepepv2.backends.base import (
     BufferSpec,
     CombineOutput,
     DispatchBackend,
+    DispatchConfig,
     DispatchHandle,
-    DispatchOutput,
-    Routing,
+    DispatchResult,
     Streams,
 )
-from megatron_deepepv2.deepep_lines import (  # noqa: F401 - import_deep_ep: the backend's import, re-exported
+from megatron_deepepv2.deepep_lines import (
     DEEPEP_2_1,
     DEEPEP_2_5,
     DeepEPLine,
@@ -55,15 +45,17 @@ from megatron_deepepv2.topology import choose_hybrid_mode
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class _LineCalls:
-    """How one DeepEP line differs in the calls this backend makes (see the module docstring).
+    """How one DeepEP line differs in the calls this backend makes.
 
     Attributes:
         line: The line.
         dispatch_kwargs: Extra keyword arguments of every dispatch.
         even_num_sms: The line rounds an explicit SM count up to even.
-        keeps_topk_idx: The line's handle keeps the caller's ``topk_idx`` rather than a copy.
+        keeps_topk_idx: The line's handle keeps the caller's ``topk_idx`` rather than a copy (the backend passes a
+            copy: Megatron refills one static tensor on every CUDA-graph replay before a pending backward reads it).
     """
 
     line: DeepEPLine
@@ -139,21 +131,22 @@ class DeepEPBackend(DispatchBackend):
         super().__init__(group, spec)
         deep_ep = import_deep_ep()
         self.line_calls = _LINE_CALLS[line_of_module(deep_ep)]
-        self.num_sms = self.line_calls.num_sms(spec.num_sms)
-        if self.num_sms != spec.num_sms:
+        settings = spec.settings
+        self.num_sms = self.line_calls.num_sms(settings.num_sms)
+        if self.num_sms != settings.num_sms:
             logger.info("DeepEP %s runs an even number of SMs: %d SMs asked, %d used", self.line_calls.line.name,
-                        spec.num_sms, self.num_sms)
-        #: Keyword arguments of each kind of call, per (routing, stream mode): built on first use, then reused.
+                        settings.num_sms, self.num_sms)
+        #: DeepEP's keyword arguments per (call kind, configuration, expert count, stream mode), built on first use.
         self._call_kwargs: dict[tuple, dict[str, Any]] = {}
         ensure_nccl_communicator(group)
-        # Hybrid only when the group's ranks span nodes (one gather of node identities per group), unless the spec says.
-        allow_hybrid, why = choose_hybrid_mode(group, spec.allow_hybrid_mode)
+        # Hybrid only when the group's ranks span nodes (one gather of node identities per group), unless set.
+        allow_hybrid, why = choose_hybrid_mode(group, settings.allow_hybrid_mode)
         buffer_class = getattr(deep_ep, self.line_calls.line.buffer_class)
         self.buffer = buffer_class(
             group,
-            # Sized for BF16 whatever spec.use_fp8 says: combine's backward sends BF16 rows through this buffer.
+            # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
             **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
-            deterministic=spec.deterministic,
+            deterministic=settings.deterministic,
             allow_hybrid_mode=allow_hybrid,
             allow_multiple_reduction=True,  # expand combine with weights needs it
             explicitly_destroy=True,
@@ -170,32 +163,24 @@ class DeepEPBackend(DispatchBackend):
         # Cached: availability does not change within a process, and the probes (import, NCCL query) are slow.
         return deepep_unavailable_reason()
 
-    @classmethod
-    def preflight(cls, *, host_sync: bool = True, deterministic: bool = False) -> Optional[Exception]:
-        if deterministic and not host_sync:
-            return ValueError(
-                "Dispatch without host sync cannot be combined with deterministic mode on the DeepEP backend: "
-                "DeepEP 2.1.0's deterministic sort selects rows with boolean masks, which synchronises the host "
-                "(and fails in CUDA-graph capture). Turn off MEGATRON_DEEPEPV2_NO_HOST_SYNC, or deterministic mode "
-                "(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode); the reference backend supports "
-                "both together."
-            )
-        return None
+    def _kwargs(self, kind: str, config: DispatchConfig, num_experts: int, streams: Streams) -> dict[str, Any]:
+        """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once.
 
-    # ------------------------------------------------------------------------------------------
-    def _kwargs(self, kind: str, routing: Routing, streams: Streams) -> dict[str, Any]:
-        """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once."""
-        key = (kind, routing, streams)
+        NOTES: ``previous_event`` goes only with ``allocate_on_comm_stream``, and outputs go on the communication
+        stream only in async mode, the one mode where DeepEP ``record_stream``-s them; cached dispatch and combine take
+        ``num_sms`` from the handle (``0`` with a handle raises).
+        """
+        key = (kind, config, num_experts, streams)
         kwargs = self._call_kwargs.get(key)
         if kwargs is not None:
             return kwargs
         on_comm_stream = streams.async_finish and streams.allocate_on_comm_stream
         kwargs = {"async_with_compute_stream": streams.async_finish, "allocate_on_comm_stream": on_comm_stream}
-        expand = routing.layout is ExpertLayout.EXPAND
+        expand = config.layout is ExpertLayout.EXPAND
         if kind == "fresh":
-            kwargs.update(num_experts=routing.num_experts, num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
-                          expert_alignment=routing.expert_alignment, num_sms=self.num_sms, do_expand=expand,
-                          do_zero_padding=routing.zero_padding and expand, do_cpu_sync=routing.host_sync)
+            kwargs.update(num_experts=num_experts, num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
+                          expert_alignment=config.expert_alignment, num_sms=self.num_sms, do_expand=expand,
+                          do_zero_padding=config.zero_padding and expand, do_cpu_sync=config.host_sync)
         if kind == "cached":  # padding rows of a gradient must be zero
             kwargs.update(do_expand=expand, do_zero_padding=expand)
         if kind != "combine":
@@ -204,36 +189,34 @@ class DeepEPBackend(DispatchBackend):
         return kwargs
 
     def _previous_event(self, streams: Streams) -> Optional[Any]:
-        # DeepEP accepts a previous event only with allocate_on_comm_stream (see the module docstring).
+        # DeepEP accepts a previous event only with allocate_on_comm_stream.
         return self.buffer.capture() if streams.async_finish and streams.allocate_on_comm_stream else None
 
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                 routing: Routing, streams: Streams = SYNC) -> DispatchOutput:
+                 config: DispatchConfig, num_experts: int, streams: Streams = SYNC) -> DispatchResult:
         if self.line_calls.keeps_topk_idx:
-            # V2.5 keeps the caller's tensor in its handle; Megatron hands the same static tensor to every replay of a
-            # CUDA graph, so the next micro-batch would overwrite the routing of this one before its backward.
-            topk_idx = topk_idx.clone()
+            topk_idx = topk_idx.clone()  # see _LineCalls.keeps_topk_idx
         with _fill_guard():
             recv_x, recv_idx, recv_weights, native, event = self.buffer.dispatch(
                 x, topk_idx=topk_idx, topk_weights=topk_weights, previous_event=self._previous_event(streams),
-                **self._kwargs("fresh", routing, streams))
-            if streams.async_finish:
+                **self._kwargs("fresh", config, num_experts, streams))
+            if streams.async_finish:  # DeepEP asserts against current_stream_wait in sync mode
                 event.current_stream_wait()
         rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
-        handle = DispatchHandle(self, routing, native, topk_idx.shape[0], topk_idx.shape[1], rows.shape[0])
-        return DispatchOutput(recv_x, recv_idx if routing.layout is ExpertLayout.COMPACT else None, recv_weights, handle)
+        handle = DispatchHandle(self, config, native, topk_idx.shape[0], topk_idx.shape[1], rows.shape[0])
+        return DispatchResult(recv_x, recv_idx if config.layout is ExpertLayout.COMPACT else None, recv_weights, handle)
 
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                        streams: Streams = SYNC) -> DispatchOutput:
+                        streams: Streams = SYNC) -> DispatchResult:
         native = handle.native
         with _fill_guard():
             recv_x, recv_idx, recv_weights, _, event = self.buffer.dispatch(
-                x, topk_weights=topk_weights, handle=native, num_sms=native.num_sms,  # DeepEP #685
-                previous_event=self._previous_event(streams), **self._kwargs("cached", handle.routing, streams))
+                x, topk_weights=topk_weights, handle=native, num_sms=native.num_sms,
+                previous_event=self._previous_event(streams), **self._kwargs("cached", handle.config, 0, streams))
             if streams.async_finish:
                 event.current_stream_wait()
-        expand = handle.routing.layout is ExpertLayout.EXPAND
-        return DispatchOutput(recv_x, None if expand else recv_idx, recv_weights, handle)
+        expand = handle.config.layout is ExpertLayout.EXPAND
+        return DispatchResult(recv_x, None if expand else recv_idx, recv_weights, handle)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 streams: Streams = SYNC) -> CombineOutput:
@@ -241,7 +224,7 @@ class DeepEPBackend(DispatchBackend):
         with _fill_guard():
             combined, combined_weights, event = self.buffer.combine(
                 x, native, topk_weights=topk_weights, num_sms=native.num_sms,
-                previous_event=self._previous_event(streams), **self._kwargs("combine", handle.routing, streams))
+                previous_event=self._previous_event(streams), **self._kwargs("combine", handle.config, 0, streams))
             if streams.async_finish:
                 event.current_stream_wait()
         return CombineOutput(combined, combined_weights)
@@ -251,11 +234,11 @@ class DeepEPBackend(DispatchBackend):
         finished). ``psum_num_recv_tokens_per_expert`` holds, compact: the inclusive prefix sum of the aligned
         counts; expand: the aligned start of expert ``i`` plus its unaligned count, so its align-up is the aligned
         end of the block."""
-        routing, native = handle.routing, handle.native
+        config, native = handle.config, handle.native
         ends = native.psum_num_recv_tokens_per_expert.to(torch.int64)
-        if routing.layout is ExpertLayout.EXPAND:
-            if routing.expert_alignment > 1:
-                ends = align_up(ends, routing.expert_alignment)
+        if config.layout is ExpertLayout.EXPAND:
+            if config.expert_alignment > 1:
+                ends = align_up(ends, config.expert_alignment)
             num_valid_rows = ends[-1]
         else:
             num_valid_rows = native.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)

@@ -46,9 +46,9 @@ from megatron_deepepv2.backends.base import (
     BufferSpec,
     CombineOutput,
     DispatchBackend,
+    DispatchConfig,
     DispatchHandle,
-    DispatchOutput,
-    Routing,
+    DispatchResult,
     Streams,
 )
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, rows_past_valid, worst_case_recv_rows
@@ -385,8 +385,8 @@ class ReferenceBackend(DispatchBackend):
     # Contract
     # ------------------------------------------------------------------------------------------
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
-                 routing: Routing, streams: Streams = SYNC) -> DispatchOutput:
-        num_experts, layout, expert_alignment, zero_padding, host_sync = routing
+                 config: DispatchConfig, num_experts: int, streams: Streams = SYNC) -> DispatchResult:
+        layout, expert_alignment, host_sync = config.layout, config.expert_alignment, config.host_sync
         is_fp8 = isinstance(x, tuple)
         data = list(x) if is_fp8 else [x]
         num_tokens = topk_idx.shape[0]
@@ -427,7 +427,7 @@ class ReferenceBackend(DispatchBackend):
             tokens_per_expert, tokens_per_expert_list = self._plan_expand(
                 plan, expert_alignment, num_local_experts, host_sync
             )
-            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, zero_padding)
+            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, config.zero_padding)
             out_idx, num_recv_rows = None, plan.num_expanded_rows
             num_valid_rows = tokens_per_expert.sum()
         else:
@@ -437,9 +437,9 @@ class ReferenceBackend(DispatchBackend):
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
         # The counts are computed anyway: the routing plan and the host list are built from them.
-        handle = DispatchHandle(self, routing, plan, num_tokens, topk_idx.shape[1], num_recv_rows,
+        handle = DispatchHandle(self, config, plan, num_tokens, topk_idx.shape[1], num_recv_rows,
                                 device_counts=(tokens_per_expert, num_valid_rows), host_counts=tokens_per_expert_list)
-        return DispatchOutput(recv_x, out_idx, recv_weights, handle)
+        return DispatchResult(recv_x, out_idx, recv_weights, handle)
 
     def _send_exact(
         self, payload: list[torch.Tensor], send_counts: torch.Tensor
@@ -482,7 +482,7 @@ class ReferenceBackend(DispatchBackend):
         return transport, _unpack(transport.to_output_order(received)[:, 1:], payload), num_used
 
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                        streams: Streams = SYNC) -> DispatchOutput:
+                        streams: Streams = SYNC) -> DispatchResult:
         plan: _RoutingPlan = handle.native
         is_fp8 = isinstance(x, tuple)
         data = list(x) if is_fp8 else [x]
@@ -493,20 +493,20 @@ class ReferenceBackend(DispatchBackend):
         received = plan.transport.send(payload, self.group)
         recv_x, rest = self._unpack_recv(received, is_fp8)
         recv_weights = rest[0] if topk_weights is not None else None
-        if handle.layout is ExpertLayout.EXPAND:
+        if handle.config.layout is ExpertLayout.EXPAND:
             # Zero padding always, as the DeepEP adapter asks of a cached dispatch (combine backward's gradient).
             recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, zero_padding=True)
             out_idx = None
         else:
             out_idx = plan.recv_local_idx
-        return DispatchOutput(recv_x, out_idx, recv_weights, handle)
+        return DispatchResult(recv_x, out_idx, recv_weights, handle)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 streams: Streams = SYNC) -> CombineOutput:
         plan: _RoutingPlan = handle.native
         # DeepEP accumulates in FP32 (BF16 in, one cast out); FP64 inputs keep FP64.
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        if handle.layout is ExpertLayout.EXPAND:
+        if handle.config.layout is ExpertLayout.EXPAND:
             # Each rank first reduces its own selections of a token (FP32, slot order, one cast).
             rows = _append_zero_row(x)
             partial = torch.zeros((plan.recv_local_idx.shape[0], x.shape[1]), dtype=acc_dtype, device=x.device)
