@@ -8,8 +8,9 @@ Every benchmark here times, starts and writes the same way, so that their number
   calls, the slowest rank's);
 * :func:`interleave` and :func:`medians`: the variants of a comparison timed round by round, so that a machine whose
   speed drifts during the run (clocks, other work) slows them all alike, and the median per variant;
-* :func:`routed_tokens`: a dispatch's inputs (BF16 rows, top-k expert ids and weights) on the GPU, and
-  :func:`megatron_manager_overrides`: the dispatch settings the Megatron manager turns off;
+* :func:`routed_tokens`: a dispatch's inputs (BF16 rows, top-k expert ids and weights) on the GPU,
+  :func:`megatron_manager_overrides`: the dispatch settings the Megatron manager turns off, and
+  :func:`resolver_fields`: what a checkout's configuration resolver takes (the current one or an older one);
 * :func:`launch_costs_us`: the host's cost of the GPU's elementary operations (an eager kernel launch, a Triton
   launch, an event record, a stream wait), which turns counts of launches into microseconds;
 * :func:`require_cuda` (a tool's refusal without a GPU) and :func:`build_or_reason` (a row whose configuration the
@@ -41,7 +42,6 @@ import logging
 import os
 import statistics
 import subprocess
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -64,8 +64,9 @@ MULTICAST_OFF: dict[str, str] = {
 
 PLOT_HINT = "pip install 'megatron-deepepv2[bench]' (matplotlib) for it"
 
-#: The dispatch settings the Megatron manager turns off, for checkouts older than
-#: ``megatron_deepepv2.ops.WITHOUT_DIRECT_CALL_PASSES`` (which :func:`megatron_manager_overrides` reads where it exists).
+#: The passes only direct callers need, which the Megatron manager turns off
+#: (:func:`megatron_deepepv2.manager.dispatch_config_for`): its ids come from ``torch.topk``, and nothing reads other
+#: ranks' weights or the rows past the valid ones.
 MEGATRON_MANAGER_OVERRIDES: dict[str, Any] = {"check_ids": False, "mask_foreign_weights": False, "clear_tail": False}
 
 
@@ -246,22 +247,38 @@ def medians(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ inputs
 
 
-def megatron_manager_overrides(config_cls: type) -> dict[str, Any]:
-    """Of :data:`MEGATRON_MANAGER_OVERRIDES`, those ``config_cls.resolve`` takes (a checkout may predate some).
+def resolver_fields(package: Any) -> frozenset[str]:
+    """The names a checkout's configuration resolver takes as keyword arguments.
 
     Args:
-        config_cls: The checkout's ``megatron_deepepv2.DispatchConfig``.
+        package: The checkout's ``megatron_deepepv2`` module.
 
     Returns:
-        Keyword arguments for ``config_cls.resolve``.
+        With ``package.resolve_config``: the fields of ``DispatchConfig`` but ``settings``, and those of
+        ``DeepepV2Settings``. Older checkouts resolve with ``DispatchConfig.resolve``: its named parameters, or the
+        fields of ``DispatchConfig`` where it takes ``**overrides``.
     """
-    parameters = inspect.signature(config_cls.resolve).parameters
+    config_fields = set(getattr(package.DispatchConfig, "__dataclass_fields__", {}))
+    if hasattr(package, "resolve_config"):
+        return frozenset((config_fields - {"settings"}) | set(package.DeepepV2Settings.__dataclass_fields__))
+    parameters = inspect.signature(package.DispatchConfig.resolve).parameters
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
-        accepted = set(getattr(config_cls, "__dataclass_fields__", {}))  # resolve(**fields)
-    else:
-        accepted = set(parameters)
-    overrides = getattr(sys.modules[config_cls.__module__], "WITHOUT_DIRECT_CALL_PASSES", MEGATRON_MANAGER_OVERRIDES)
-    return {name: value for name, value in overrides.items() if name in accepted}
+        return frozenset(config_fields)
+    return frozenset(parameters)
+
+
+def megatron_manager_overrides(package: Any) -> dict[str, Any]:
+    """Of :data:`MEGATRON_MANAGER_OVERRIDES`, those the checkout's resolver takes (:func:`resolver_fields`; an older
+    checkout may predate some of the switches).
+
+    Args:
+        package: The checkout's ``megatron_deepepv2`` module.
+
+    Returns:
+        Keyword arguments for the checkout's resolver (all three switches on the current tree).
+    """
+    accepted = resolver_fields(package)
+    return {name: value for name, value in MEGATRON_MANAGER_OVERRIDES.items() if name in accepted}
 
 
 def routed_tokens(tokens: int, hidden: int, experts: int, topk: int, seed: int = 0) -> tuple[Any, Any, Any]:

@@ -7,7 +7,7 @@ handle bookkeeping. Runs on the CPU in one process (a 1-rank gloo group), on tin
 variants round by round, and reports the median and the minimum microseconds per step of:
 
 * ``ops_resolved_per_call``: ``dispatch(..., layout=..., expert_alignment=...)`` -- settings resolved every call;
-* ``ops_config``: ``dispatch(..., config=DispatchConfig.resolve(...))`` -- resolved once, as the Megatron manager
+* ``ops_config``: ``dispatch(..., config=resolve_config(...))`` -- resolved once, as the Megatron manager
   does (skipped on trees that predate ``DispatchConfig``);
 * ``ops_config_no_id_check``: the same with the default expert-id check off (``check_ids=False``; trees that
   predate the check have none), which tells the check's cost from the rest;
@@ -71,9 +71,9 @@ def _zero_cost_backend(base: Any) -> type:
     """A backend that returns its inputs as its outputs: no communication, no copies, no tensor op (autograd
     itself makes an output that is an input a view, as it must for any differentiable op).
 
-    Written against the backend contract of the measured checkout: the current one (a :class:`Routing` and a
-    :class:`Streams` per call, counts asked of the backend) or the earlier one (keyword arguments per call, events
-    returned, counts carried by the handle).
+    Written against the backend contract of the measured checkout: the current one (the layer's
+    :class:`DispatchConfig` and the expert count per call), the earlier one of :class:`Routing` (the expert count
+    inside it), or the earliest (keyword arguments per call, events returned, counts carried by the handle).
 
     Args:
         base: The checkout's ``megatron_deepepv2.backends.base`` module.
@@ -81,13 +81,55 @@ def _zero_cost_backend(base: Any) -> type:
     Returns:
         The backend class, registered as ``zero-cost`` by the caller.
     """
+    if hasattr(base, "DispatchResult"):
+        return _zero_cost_backend_on_config(base)
     if hasattr(base, "Routing"):
         return _zero_cost_backend_on_routing(base)
     return _zero_cost_backend_on_keywords(base)
 
 
+def _zero_cost_backend_on_config(base: Any) -> type:
+    """:func:`_zero_cost_backend` for the current contract: ``dispatch(x, topk_idx, topk_weights, config,
+    num_experts, streams)``, :class:`DispatchResult` returned."""
+    import torch
+
+    counts_by_shape: dict = {}
+
+    class ZeroCostBackend(base.DispatchBackend):
+        name = "zero-cost"
+        limits = base.BackendLimits(dispatch_dtypes=(torch.float32,), combine_dtypes=(torch.float32,))
+
+        def dispatch(self, x, topk_idx, topk_weights, config, num_experts, streams=base.SYNC):
+            local = num_experts // self.group_size
+            num_tokens = x.shape[0]
+            counts = counts_by_shape.get((num_tokens, local))
+            if counts is None:  # made once per shape: the backend itself costs nothing per call
+                host = [num_tokens] + [0] * (local - 1)
+                counts = counts_by_shape[(num_tokens, local)] = (host, (torch.tensor(host), torch.tensor(num_tokens)))
+            # The handle carries its counts, so neither device_counts nor host_counts is asked.
+            handle = base.DispatchHandle(self, config, None, num_tokens, topk_idx.shape[1], num_tokens,
+                                         device_counts=counts[1], host_counts=counts[0])
+            # One rank holds every expert, so the global ids are the local ones: no op to rewrite them.
+            recv_idx = topk_idx if local == num_experts else topk_idx.clamp(max=local - 1)
+            return base.DispatchResult(x, recv_idx, topk_weights, handle)
+
+        def cached_dispatch(self, x, handle, topk_weights=None, streams=base.SYNC):
+            return base.DispatchResult(x, None, topk_weights, handle)
+
+        def combine(self, x, handle, topk_weights=None, streams=base.SYNC):
+            return base.CombineOutput(x, topk_weights)
+
+        def device_counts(self, handle):
+            raise AssertionError("the zero-cost backend's handles carry their counts")
+
+        def host_counts(self, handle):
+            raise AssertionError("the zero-cost backend's handles carry their counts")
+
+    return ZeroCostBackend
+
+
 def _zero_cost_backend_on_routing(base: Any) -> type:
-    """:func:`_zero_cost_backend` for the contract of :class:`Routing` and :class:`Streams`."""
+    """:func:`_zero_cost_backend` for the earlier contract of :class:`Routing` and :class:`Streams`."""
     import torch
 
     counts_by_shape: dict = {}
@@ -128,7 +170,7 @@ def _zero_cost_backend_on_routing(base: Any) -> type:
 
 
 def _zero_cost_backend_on_keywords(base: Any) -> type:
-    """:func:`_zero_cost_backend` for the earlier contract: keyword arguments per call, events returned."""
+    """:func:`_zero_cost_backend` for the earliest contract: keyword arguments per call, events returned."""
     DispatchBackend, BackendLimits, CompletedEvent = base.DispatchBackend, base.BackendLimits, base.CompletedEvent
     DispatchOutput, CombineOutput, handle_cls = base.DispatchOutput, base.CombineOutput, base.DispatchHandle
     import torch
@@ -211,32 +253,32 @@ def _identity_functions():
 def _backend_only_functions():
     """A dispatch and a combine that call the backend contract directly, with none of the package's work around it
     (no configuration, checks, buffer lookup, handle records): what any autograd dispatch + combine over this backend
-    costs at the least."""
+    costs at the least. Each takes the buffer it calls (the handle's name for it differs between checkouts)."""
     import torch
 
     class BackendDispatch(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, weights, call):
-            dispatch, handles = call  # dispatch(x, weights): the backend's dispatch in its contract's form
+            dispatch, buffer, handles = call  # dispatch(x, weights): the buffer's dispatch in its contract's form
             out = dispatch(x, weights)
-            ctx.handle = out.handle
+            ctx.buffer, ctx.handle = buffer, out.handle
             handles.append(out.handle)
             return out.recv_x, out.recv_topk_weights
 
         @staticmethod
         def backward(ctx, grad_x, grad_weights):
-            out = ctx.handle.backend.combine(grad_x, ctx.handle, grad_weights)
+            out = ctx.buffer.combine(grad_x, ctx.handle, grad_weights)
             return out.x, out.topk_weights, None
 
     class BackendCombine(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, handle):
-            ctx.handle = handle
-            return handle.backend.combine(x, handle).x
+        def forward(ctx, x, buffer, handle):
+            ctx.buffer, ctx.handle = buffer, handle
+            return buffer.combine(x, handle).x
 
         @staticmethod
         def backward(ctx, grad):
-            return ctx.handle.backend.cached_dispatch(grad, ctx.handle).recv_x, None
+            return ctx.buffer.cached_dispatch(grad, ctx.handle).recv_x, None, None
 
     return BackendDispatch, BackendCombine
 
@@ -294,34 +336,41 @@ def _package_variants(inputs: _StepInputs) -> dict[str, Callable[[], None]]:
         y.backward(upstream_grad)
 
     variants = {"ops_resolved_per_call": lambda: step(**kwargs)}
+    config = None
     if hasattr(dv2, "DispatchConfig"):
-        config = dv2.DispatchConfig.resolve(**kwargs)
+        resolve = dv2.resolve_config if hasattr(dv2, "resolve_config") else dv2.DispatchConfig.resolve  # older trees
+        config = resolve(**kwargs)
         variants["ops_config"] = lambda: step(config=config)
-        if "check_ids" in getattr(dv2.DispatchConfig, "__dataclass_fields__", {}):
+        if "check_ids" in _bench.resolver_fields(dv2):
             # Without the default expert-id check (trees before it had none), to tell its cost from the rest.
-            unchecked = dataclasses.replace(config, check_ids=False)
+            unchecked = resolve(**kwargs, check_ids=False)
             variants["ops_config_no_id_check"] = lambda: step(config=unchecked)
-        manager_overrides = _bench.megatron_manager_overrides(dv2.DispatchConfig)
+        manager_overrides = _bench.megatron_manager_overrides(dv2)
         if "check_ids" in manager_overrides:  # trees before the id check have no manager configuration of their own
-            megatron = dv2.DispatchConfig.resolve(**kwargs, **manager_overrides)
+            megatron = resolve(**kwargs, **manager_overrides)
             variants["ops_megatron_config"] = lambda: step(config=megatron)
     # The backend contract called directly: the least any dispatch + combine over this backend costs.
-    buffer = dv2.dispatch(x, idx, w, experts, group=group, **kwargs).handle.backend
+    handle = dv2.dispatch(x, idx, w, experts, group=group, **kwargs).handle
+    buffer = handle.buffer if hasattr(base, "DispatchResult") else handle.backend  # older trees: handle.backend
     backend_dispatch, backend_combine = _backend_only_functions()
-    if hasattr(base, "Routing"):
+    if hasattr(base, "DispatchResult"):
+
+        def dispatch(x_, w_):
+            return buffer.dispatch(x_, idx, w_, config, experts)
+    elif hasattr(base, "Routing"):
         routing = base.Routing(experts, base.ExpertLayout.COMPACT)
 
         def dispatch(x_, w_):
             return buffer.dispatch(x_, idx, w_, routing)
-    else:  # the earlier contract: the routing as keyword arguments
+    else:  # the earliest contract: the routing as keyword arguments
 
         def dispatch(x_, w_):
             return buffer.dispatch(x_, idx, w_, num_experts=experts, layout=base.ExpertLayout.COMPACT)
 
     def backend_floor() -> None:
         handles: list = []
-        recv_x, recv_w = backend_dispatch.apply(x, w, (dispatch, handles))
-        backend_combine.apply(recv_x * recv_w[:, :1], handles[0]).backward(upstream_grad)
+        recv_x, recv_w = backend_dispatch.apply(x, w, (dispatch, buffer, handles))
+        backend_combine.apply(recv_x * recv_w[:, :1], buffer, handles[0]).backward(upstream_grad)
 
     variants["backend_floor"] = backend_floor
     return variants

@@ -15,8 +15,9 @@ dispatch, combine and their backwards, the input and weight gradients taken with
   ``allocate_on_comm_stream``, then ``event.current_stream_wait()``), the gradients taken as the ops' are: the
   floor any autograd wrapper of these calls pays;
 * ``ops_manager``: :func:`megatron_deepepv2.dispatch` / :func:`~megatron_deepepv2.combine` with a
-  :class:`~megatron_deepepv2.ops.DispatchConfig` as the Megatron manager resolves it (ids valid by construction:
-  no id check; other ranks' weights left unmasked; rows past the valid ones left as they are), host sync;
+  :class:`~megatron_deepepv2.DispatchConfig` as the Megatron manager resolves it (:func:`manager_config`: ids valid
+  by construction: no id check; other ranks' weights left unmasked; rows past the valid ones left as they are), host
+  sync;
 * ``ops_manager_streams``: the same with Megatron's stream flags (``async_finish=True,
   allocate_on_comm_stream=True`` on dispatch and combine): what the flex dispatcher runs;
 * ``ops_defaults``: the direct-call defaults (settings resolved from the arguments, the expert-id check on);
@@ -35,8 +36,9 @@ The run starts with the host cost of the GPU's elementary operations on this mac
 launch, an event record, a stream wait: microseconds per call), which turns the profiles' launch counts into
 microseconds. The first configuration also gets a profile of each variant (kernels per step, host microseconds to
 enqueue one step) and, with megatron-core, Megatron's dispatcher path (router -> dispatch stages -> identity experts
--> combine stages, forward + backward) for alltoall and deepepv2: expand, expand without host sync, and compact (a
-layer the package or Megatron refuses to build is listed under ``not_run`` with the reason).
+-> combine stages, forward + backward) for alltoall and deepepv2 (the expand layout, the one Megatron layers take)
+with and without host sync (a layer the package or Megatron refuses to build is listed under ``not_run`` with the
+reason).
 ``--isolate`` first times the host cost of single DeepEP calls made raw, through the package's adapter, and from
 inside an autograd backward (as the ops' backwards make them). Prints progress and writes ``bench_hot_path.json``
 and ``bench_hot_path.png`` to ``--out``::
@@ -88,6 +90,27 @@ class HotPathConfig:
         return f"T{self.tokens} H{self.hidden} E{self.experts} top{self.topk}"
 
 
+def manager_config(layout: str, tokens: int, sms: int, host_sync: bool, backend: str = "deepep") -> Any:
+    """The dispatch configuration of a Megatron layer's manager (:func:`megatron_deepepv2.manager.dispatch_config_for`)
+    for the layout and the shape this tool times: :data:`LAYOUTS`' layout, alignment and padding, the manager's switches
+    (:func:`_bench.megatron_manager_overrides`), a buffer for ``tokens`` per rank and ``sms`` SMs.
+
+    Args:
+        layout: A key of :data:`LAYOUTS` (a Megatron layer's is ``expand``).
+        tokens: Tokens per rank (``num_max_tokens_per_rank``).
+        sms: SMs for DeepEP's kernels (0: DeepEP's choice).
+        host_sync: Whether the dispatches wait on the host for exact sizes.
+        backend: The backend's name.
+
+    Returns:
+        The resolved ``DispatchConfig``.
+    """
+    import megatron_deepepv2 as dv2  # noqa: PLC0415
+
+    return dv2.resolve_config(backend=backend, num_max_tokens_per_rank=tokens, num_sms=sms, host_sync=host_sync,
+                              **LAYOUTS[layout], **_bench.megatron_manager_overrides(dv2))
+
+
 def _raw_buffer(handle: Any) -> tuple[Any, dict[str, Any], int]:
     """The DeepEP buffer behind one of our dispatch handles: the one place that reads the DeepEP backend's internals.
 
@@ -98,7 +121,7 @@ def _raw_buffer(handle: Any) -> tuple[Any, dict[str, Any], int]:
         The ``ElasticBuffer``, the extra keyword arguments the backend passes to every DeepEP dispatch (those of
         the installed DeepEP line), and the SM count its dispatches use.
     """
-    backend = handle.backend
+    backend = handle.buffer
     return backend.buffer, dict(backend.line_calls.dispatch_kwargs), backend.num_sms
 
 
@@ -171,7 +194,6 @@ class Steps:
 
     def __init__(self, cfg: HotPathConfig, layout: str, args: argparse.Namespace) -> None:
         import megatron_deepepv2 as dv2  # noqa: PLC0415
-        from megatron_deepepv2.ops import DispatchConfig  # noqa: PLC0415
 
         self.dv2, self.cfg, self.kwargs = dv2, cfg, LAYOUTS[layout]
         self.expand = layout == "expand"
@@ -179,11 +201,10 @@ class Steps:
         self.x_req = self.x.clone().requires_grad_()
         self.w_req = self.w.clone().requires_grad_()
         self.grad_out = torch.randn_like(self.x)
-        common = dict(backend="deepep", num_max_tokens_per_rank=cfg.tokens, num_sms=args.sms, **self.kwargs)
-        self.direct_kwargs = common
-        manager = _bench.megatron_manager_overrides(DispatchConfig)
-        self.manager = DispatchConfig.resolve(host_sync=True, **manager, **common)
-        self.no_host_sync = DispatchConfig.resolve(host_sync=False, **manager, **common)
+        self.direct_kwargs = dict(backend="deepep", num_max_tokens_per_rank=cfg.tokens, num_sms=args.sms,
+                                  **self.kwargs)
+        self.manager = manager_config(layout, cfg.tokens, args.sms, host_sync=True)
+        self.no_host_sync = manager_config(layout, cfg.tokens, args.sms, host_sync=False)
         # Build the buffer and take its ElasticBuffer for the raw calls.
         first = dv2.dispatch(self.x, self.idx, self.w, cfg.experts, config=self.manager)
         buffer, extra, num_sms = _raw_buffer(first.handle)
@@ -357,9 +378,10 @@ class _RunInBackward(torch.autograd.Function):
 def _adapter_calls(steps: Steps, ours: Any) -> dict[str, _bench.Step]:
     """Single calls through the DeepEP backend's contract (the package's adapter), as the ops make them."""
     handle = ours.handle
-    backend = handle.backend
+    backend = handle.buffer
     return {
-        "adapter_dispatch_host_sync": lambda: backend.dispatch(steps.x, steps.idx, steps.w, handle.routing),
+        "adapter_dispatch_host_sync": lambda: backend.dispatch(steps.x, steps.idx, steps.w, handle.config,
+                                                               steps.cfg.experts),
         "adapter_cached_dispatch": lambda: backend.cached_dispatch(steps.grad_out, handle),
         "adapter_combine": lambda: backend.combine(ours.recv_x, handle),
     }
@@ -415,8 +437,8 @@ def isolate_calls(cfg: HotPathConfig, layout: str, args: argparse.Namespace) -> 
 
 
 def bench_dispatcher_paths(cfg: HotPathConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """Megatron's dispatcher path (identity experts), forward + backward, wall clock: alltoall against deepepv2 in
-    the expand layout, expand without host sync, and compact.
+    """Megatron's dispatcher path (identity experts), forward + backward, wall clock: alltoall against deepepv2 (the
+    expand layout) with and without host sync.
 
     Returns:
         Microseconds per step by row, and under ``not_run`` the rows whose layer Megatron or the package refused
@@ -429,22 +451,21 @@ def bench_dispatcher_paths(cfg: HotPathConfig, args: argparse.Namespace) -> dict
     shape = moe_model.TinyMoEConfig(hidden=cfg.hidden, ffn=1024, num_experts=cfg.experts, topk=cfg.topk,
                                     params_dtype=torch.bfloat16)
     x = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16).requires_grad_()
-    variants = {"path_alltoall": ("alltoall", None, False), "path_deepepv2_expand": ("deepepv2", "expand", False),
-                "path_deepepv2_expand_no_host_sync": ("deepepv2", "expand", True),
-                "path_deepepv2_compact": ("deepepv2", "compact", False)}
+    variants = {"path_alltoall": ("alltoall", True), "path_deepepv2_expand": ("deepepv2", True),
+                "path_deepepv2_expand_no_host_sync": ("deepepv2", False)}
     steps: dict[str, _bench.Step] = {}
     not_run: dict[str, str] = {}
-    for name, (dispatcher, layout, no_host_sync) in variants.items():
-        if layout:
-            dv2.configure(layout=layout, backend="deepep", num_sms=args.sms, num_max_tokens_per_rank=cfg.tokens,
-                          no_host_sync=no_host_sync)
+    for name, (dispatcher, host_sync) in variants.items():
+        if dispatcher == "deepepv2":
+            dv2.configure(backend="deepep", num_sms=args.sms, num_max_tokens_per_rank=cfg.tokens, host_sync=host_sync)
         layer = _bench.build_or_reason(
-            name, lambda: moe_model.build_moe_layer(shape, dispatcher, seed=3, sync_free_experts=no_host_sync), not_run)
+            name, lambda: moe_model.build_moe_layer(shape, dispatcher, seed=3, sync_free_experts=not host_sync),
+            not_run)
         if layer is None:
             continue
         steps[name] = (lambda layer_=layer: moe_model.dispatcher_path_step(layer_, x))
     times: dict[str, Any] = interleaved_wall_us(steps, args)
-    dv2.configure(layout="expand", no_host_sync=False)
+    dv2.configure(host_sync=True)
     for name, value in times.items():
         logger.info("   %-36s %8.1f us (%.2fx alltoall)", name, value, value / times["path_alltoall"])
     steps = {}

@@ -1,5 +1,6 @@
-"""``tools/bench_hot_path.py`` on a CPU box: it refuses with the reason, its outputs are written from any rows, and its
-one reader of the DeepEP backend's internals finds the buffer, the extra dispatch arguments and the SM count."""
+"""``tools/bench_hot_path.py`` on a CPU box: it refuses with the reason, its outputs are written from any rows, its
+one reader of the DeepEP backend's internals finds the buffer, the extra dispatch arguments and the SM count, and its
+manager rows dispatch with the configuration a Megatron layer resolves."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -53,4 +57,20 @@ def test_the_raw_buffer_is_read_from_the_backend_in_one_place() -> None:
     # The backend keeps the extra arguments with the calls of its DeepEP line.
     with_line = SimpleNamespace(buffer=buffer, line_calls=SimpleNamespace(dispatch_kwargs=(("do_handle_copy", False),)),
                                 num_sms=0)
-    assert bench_hot_path._raw_buffer(SimpleNamespace(backend=with_line)) == (buffer, {"do_handle_copy": False}, 0)
+    assert bench_hot_path._raw_buffer(SimpleNamespace(buffer=with_line)) == (buffer, {"do_handle_copy": False}, 0)
+
+
+@pytest.mark.parametrize("host_sync", [True, False])
+def test_the_manager_rows_dispatch_as_a_megatron_layer_does(host_sync: bool) -> None:
+    import megatron_deepepv2 as dv2
+    from megatron_deepepv2.manager import dispatch_config_for
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, transformer_config
+
+    with _bench.process_group("gloo", one_rank=True), dv2.settings_override(
+            backend="reference", num_max_tokens_per_rank=256, num_sms=6, host_sync=host_sync):
+        layer = dispatch_config_for(transformer_config(TinyMoEConfig(), "deepepv2"))
+        ours = bench_hot_path.manager_config("expand", 256, 6, host_sync, backend="reference")
+    # The oracle is the manager's own resolution; a layer's alignment comes from its quantisation (none here: 1),
+    # the tool's expand rows pad each expert block to 16.
+    assert layer.expert_alignment == 1
+    assert ours == replace(layer, expert_alignment=bench_hot_path.LAYOUTS["expand"]["expert_alignment"])

@@ -1,5 +1,5 @@
 """``tools/_bench.py``, the benchmarks' shared machinery, on the CPU: interleaving and medians, the timers' clocks,
-the 1-rank process group, and the JSON + PNG outputs."""
+the 1-rank process group, the JSON + PNG outputs, and the Megatron manager's switches on this checkout and older ones."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -167,3 +169,40 @@ def test_provenance_names_the_commit_from_git_or_from_the_environment(tmp_path: 
     assert (_bench.provenance()["git_commit"], _bench.provenance()["git_dirty"]) == ("abc1234", True)
     monkeypatch.setenv(_bench.REVISION_ENV, "abc1234")
     assert (_bench.provenance(str(tmp_path))["git_commit"], _bench.provenance()["git_dirty"]) == ("abc1234", False)
+
+
+def test_the_manager_switches_are_those_the_checkouts_resolver_takes() -> None:
+    import megatron_deepepv2 as dv2
+
+    # This checkout resolves with resolve_config: configuration and settings fields alike, not the settings object.
+    fields = _bench.resolver_fields(dv2)
+    assert {"layout", "expert_alignment", "clear_tail", "host_sync", "check_ids", "num_sms"} <= fields
+    assert "settings" not in fields
+    overrides = _bench.megatron_manager_overrides(dv2)
+    assert overrides == {"check_ids": False, "mask_foreign_weights": False, "clear_tail": False}
+    config = dv2.resolve_config(backend="reference", **overrides)
+    assert (config.settings.check_ids, config.mask_foreign_weights, config.clear_tail) == (False, False, False)
+
+    # Older checkouts: DispatchConfig.resolve taking its fields as **overrides, or named parameters; one that
+    # predates a switch does not get it.
+    @dataclass
+    class FieldsConfig:
+        layout: str = "compact"
+        check_ids: bool = True
+        mask_foreign_weights: bool = True
+
+        @classmethod
+        def resolve(cls, **overrides):
+            return cls(**overrides)
+
+    class NamedConfig:
+        @classmethod
+        def resolve(cls, *, layout=None, mask_foreign_weights=None):
+            return cls()
+
+    older = SimpleNamespace(DispatchConfig=FieldsConfig)
+    assert _bench.resolver_fields(older) == {"layout", "check_ids", "mask_foreign_weights"}
+    assert _bench.megatron_manager_overrides(older) == {"check_ids": False, "mask_foreign_weights": False}
+    oldest = SimpleNamespace(DispatchConfig=NamedConfig)
+    assert _bench.resolver_fields(oldest) == {"layout", "mask_foreign_weights"}
+    assert _bench.megatron_manager_overrides(oldest) == {"mask_foreign_weights": False}
