@@ -67,7 +67,8 @@ def resolve_config(**overrides: Any) -> DispatchConfig:
     unknown = sorted(set(overrides) - _CONFIG_FIELDS - _SETTING_FIELDS)
     if unknown:
         raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_CONFIG_FIELDS | _SETTING_FIELDS)}.")
-    changes = {name: overrides.pop(name) for name in list(overrides) if name in _SETTING_FIELDS}
+    # ``backend`` is both: the setting names the backend, the configuration holds the class that runs.
+    changes = {name: overrides.pop(name) for name in list(overrides) if name in _SETTING_FIELDS and name != "backend"}
     settings = dataclasses.replace(get_settings(), **changes) if changes else get_settings()
     backend = overrides.pop("backend", settings.backend)
     layout = ExpertLayout.parse(overrides.pop("layout", ExpertLayout.COMPACT))
@@ -161,7 +162,8 @@ class Dispatcher:
         elif problem is not None:
             validation.raise_on_every_rank(problem, group, agree=False)
         if self._spec is None:
-            self._spec = BufferSpec(data.shape[1], topk_idx.shape[1], 0, settings)
+            self._spec = BufferSpec(data.shape[1], topk_idx.shape[1], 0, settings,
+                                    fp8=type(x) is tuple or settings.fp8_dispatch)
         try:
             return buffers.get_buffer(config.backend, group, self._spec, num_tokens)
         except Exception as error:
@@ -357,10 +359,20 @@ def dispatch(
         PeerFailure: A peer of the group failed in this call (or waits at a buffer build this rank did not need),
             named with its error; the group is unusable after it.
     """
-    if config is None:
-        config = _config_for(settings)
-    elif settings:
-        raise TypeError(f"dispatch() takes either config= or the settings it resolves ({sorted(settings)}), not both.")
+    group = group if group is not None else dist.group.WORLD
+    try:
+        if config is None:
+            config = _config_for(settings)
+        elif settings:
+            raise TypeError(f"dispatch() takes either config= or the settings it resolves ({sorted(settings)}), "
+                            "not both.")
+        dispatcher = bind(config, group, num_experts)
+    except (TypeError, ValueError) as problem:
+        # Raised in the call the peers are making, so that they stop too instead of waiting for this rank.
+        count_call(group)
+        validate = settings.get("validate", get_settings().validate) if config is None else config.settings.validate
+        validation.raise_on_every_rank(problem, group, agree=bool(validate), alike=dict.fromkeys(
+            validation.DISPATCH_ALIKE, 0))
     if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
         topk_weights = topk_weights.float().contiguous()
     if isinstance(topk_idx, torch.Tensor):
@@ -368,7 +380,6 @@ def dispatch(
     data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
     if isinstance(data, torch.Tensor):
         data = data.contiguous()
-    dispatcher = bind(config, group if group is not None else dist.group.WORLD, num_experts)
     recv_x, recv_weights, recv_scales, recv_idx, handle = DispatchFunction.apply(
         data, topk_weights, dispatcher, topk_idx, scales, _streams(async_finish, allocate_on_comm_stream))
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)

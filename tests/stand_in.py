@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.backends.base import ExpertLayout, worst_case_recv_rows
+from megatron_deepepv2.layout import ExpertLayout, worst_case_recv_rows
 
 
 def _gather(value: Any, group) -> list[Any]:

@@ -62,6 +62,15 @@ class DispatchConfig:
     def __hash__(self) -> int:
         return self._hash
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_hash"]  # a string's hash differs between processes: recomputed where it is loaded
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
     @property
     def host_sync(self) -> bool:
         """Whether a dispatch waits on the host for exact sizes."""
@@ -78,17 +87,21 @@ class BufferSpec:
         num_max_tokens_per_rank: Tokens any rank dispatches in one call at most, the same on every rank.
         settings: The settings of the dispatches using it; the fields marked ``BUFFER`` in
             :mod:`megatron_deepepv2.config` are construction arguments.
-        key: What buffers are kept apart by: hidden size, top-k and the construction settings (not the token count).
+        fp8: Whether dispatches send FP8 rows. Not a construction argument (every buffer is sized for the BF16 rows
+            of combine's backward); in the key so that a build agrees on it over the ranks.
+        key: What buffers are kept apart by: hidden size, top-k, FP8 and the construction settings (not the token
+            count).
     """
 
     hidden: int
     num_topk: int
     num_max_tokens_per_rank: int
     settings: DeepepV2Settings = field(default_factory=DeepepV2Settings, compare=False)
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         # Read on every dispatch (the buffer registry's key): computed once.
-        object.__setattr__(self, "key", (self.hidden, self.num_topk) + buffer_settings(self.settings))
+        object.__setattr__(self, "key", (self.hidden, self.num_topk, self.fp8) + buffer_settings(self.settings))
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,7 @@ class Streams(NamedTuple):
 SYNC = Streams()
 
 
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class DispatchHandle:
     """What a dispatch leaves for the matching combine and for cached re-dispatches. It holds device tensors and the
     buffer that made them: keep it until the backward pass has used it.
@@ -142,34 +156,31 @@ class DispatchHandle:
         num_tokens: Rows of the dispatch input on this rank (``T``); combine returns this many rows.
         num_topk: Top-k of the routing (``K``).
         num_recv_rows: Rows of the received tensor (the worst case without host sync).
+        device_counts: ``(tokens_per_expert, num_valid_rows)`` when the dispatch computed them, else derived when
+            first asked for.
+        host_counts: Host counts when the dispatch read them, else derived when first asked for.
     """
 
-    __slots__ = ("buffer", "config", "native", "num_tokens", "num_topk", "num_recv_rows", "_device_counts",
-                 "_host_counts", "__weakref__")
-
-    def __init__(self, buffer: "DispatchBackend", config: DispatchConfig, native: Any, num_tokens: int, num_topk: int,
-                 num_recv_rows: int, device_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 host_counts: Optional[list[int]] = None) -> None:
-        self.buffer = buffer
-        self.config = config
-        self.native = native
-        self.num_tokens = num_tokens
-        self.num_topk = num_topk
-        self.num_recv_rows = num_recv_rows
-        self._device_counts = device_counts
-        self._host_counts = host_counts
+    buffer: "DispatchBackend"
+    config: DispatchConfig
+    native: Any
+    num_tokens: int
+    num_topk: int
+    num_recv_rows: int
+    device_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    host_counts: Optional[list[int]] = None
 
     @property
     def tokens_per_expert_list(self) -> Optional[list[int]]:
         """Alignment-padded rows per local expert on the host (what the dispatch read); None without host sync."""
-        if self._host_counts is None and self.config.host_sync:
-            self._host_counts = self.buffer.host_counts(self)
-        return self._host_counts
+        if self.host_counts is None and self.config.host_sync:
+            self.host_counts = self.buffer.host_counts(self)
+        return self.host_counts
 
     def _counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._device_counts is None:
-            self._device_counts = self.buffer.device_counts(self)
-        return self._device_counts
+        if self.device_counts is None:
+            self.device_counts = self.buffer.device_counts(self)
+        return self.device_counts
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:

@@ -40,17 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2.failures import all_reduce_max, run_collective
-from megatron_deepepv2.backends.base import (
-    SYNC,
-    BackendLimits,
-    BufferSpec,
-    CombineOutput,
-    DispatchBackend,
-    DispatchConfig,
-    DispatchHandle,
-    DispatchResult,
-    Streams,
-)
+from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
+                                             DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, rows_past_valid, worst_case_recv_rows
 
 
@@ -532,7 +523,7 @@ class ReferenceBackend(DispatchBackend):
         return CombineOutput(combined, combined_weights)
 
     def device_counts(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
-        return handle._device_counts  # set by the dispatch
+        return handle.device_counts  # set by the dispatch
 
     def host_counts(self, handle: DispatchHandle) -> list[int]:
-        return handle._host_counts  # set by the dispatch
+        return handle.host_counts  # set by the dispatch

@@ -76,7 +76,7 @@ def _config_case(rank: int, world: int) -> None:
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
     masked = dv2.dispatch(x, idx, w, EXPERTS)
-    config = dv2.DispatchConfig.resolve(mask_foreign_weights=False)
+    config = dv2.resolve_config(mask_foreign_weights=False)
     raw = dv2.dispatch(x, idx, w, EXPERTS, config=config)
     foreign = raw.recv_topk_idx < 0
     # Same rows; the foreign entries keep the weights as sent (the oracle: the sender's weights of those tokens).
@@ -99,12 +99,15 @@ def test_dispatch_config_runs_the_backend_mode_checks_when_resolved() -> None:
     from megatron_deepepv2.backends import DeepEPBackend
 
     # The mode check needs no process group: it fails when the configuration is made, before any dispatch.
-    problem = DeepEPBackend.preflight(host_sync=False, deterministic=True)
-    assert isinstance(problem, ValueError)
+    assert DeepEPBackend.limits.deterministic_without_host_sync is False
+    with pytest.raises(ValueError, match="without host sync cannot be combined with deterministic mode on the deepep"):
+        dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
+    assert dv2.resolve_config(backend=DeepEPBackend, host_sync=False).host_sync is False
+    assert dv2.resolve_config(backend="reference", host_sync=False, deterministic=True).settings.deterministic
     original = DeepEPBackend.unavailable_reason
     DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
     try:
         with pytest.raises(ValueError, match="without host sync cannot be combined with deterministic"):
-            dv2.DispatchConfig.resolve(backend="deepep", host_sync=False, deterministic=True)
+            dv2.resolve_config(backend="deepep", host_sync=False, deterministic=True)
     finally:
         DeepEPBackend.unavailable_reason = original

@@ -89,7 +89,7 @@ def _stay_until_the_peers_report(rank: int, world: int, bad_rank: int) -> None:
 
 def _fail_once(rank: int, world: int, where: str, bad_rank: int, peers_time_out: bool) -> tuple[str, str, float]:
     cls = TimeoutStandIn if peers_time_out else ReferenceBackend
-    config = dv2.DispatchConfig.resolve(backend=cls)
+    config = dv2.resolve_config(backend=cls)
     x, idx, w = _inputs(rank)
     if where != "build":
         _step(x, idx, w, config)  # the buffer exists and every op has run once on every rank
@@ -150,7 +150,7 @@ def test_a_peer_timeout_as_deepep_raises_it_names_the_announced_cause(where: str
 # ---------------------------------------------------------------- a rank whose batch exceeds the capacity alone
 def _exceed_alone(rank: int, world: int, big_rank: int, peers_time_out: bool) -> tuple[str, str, float]:
     cls = TimeoutStandIn if peers_time_out else ReferenceBackend
-    config = dv2.DispatchConfig.resolve(backend=cls)
+    config = dv2.resolve_config(backend=cls)
     _step(*_inputs(rank), config)  # learns capacity 8 (the largest first batch, 6, rounded up) on every rank
     if peers_time_out and rank != big_rank:
         _install(cls, "dispatch", _time_out)
@@ -170,7 +170,7 @@ def test_a_rank_that_exceeds_the_capacity_alone_fails_fast_and_named_on_every_ra
     they did not need (or, inside DeepEP, name it when their timeout surfaces), and it learns that they stopped."""
     outcomes = run_distributed(_exceed_alone, world, big_rank, peers_time_out, env=ENV, timeout=60)
     name = TimeoutStandIn.name if peers_time_out else ReferenceBackend.name
-    why = f"dispatches 20 tokens, more than the {name} buffer's token capacity 8"
+    why = f"dispatches 20 tokens, more than the {name} buffer's token limit 8"
     kind, message, seconds = outcomes[big_rank]
     assert kind == "ValueError" and f"This rank {why}" in message, outcomes[big_rank]
     assert "did not come to grow it: their batches fit" in message and "MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK" in message
@@ -192,7 +192,7 @@ def _linger_then_grow(rank: int, world: int, in_agreement: bool) -> tuple[int, b
     import pytest
     import torch.distributed as dist
 
-    config = dv2.DispatchConfig.resolve(backend=ReferenceBackend, validate=in_agreement)
+    config = dv2.resolve_config(backend=ReferenceBackend, validate=in_agreement)
     _step(*_inputs(rank), config)  # capacity 8
     group, store = dist.group.WORLD, dist.distributed_c10d._get_default_store()
     lingering_in = 1 if in_agreement else 2  # the growing dispatch's agreement, or the dispatch before's rows exchange
@@ -218,7 +218,7 @@ def _linger_then_grow(rank: int, world: int, in_agreement: bool) -> tuple[int, b
         if not in_agreement:
             dv2.dispatch(*_inputs(rank)[:2], None, E, config=config)
         grown = dv2.dispatch(*_inputs(rank, 20), E, config=config)  # every rank exceeds: they grow together
-    return grown.handle.backend.spec.num_max_tokens_per_rank, bool(saw_the_build and saw_the_build[0])
+    return grown.handle.buffer.spec.num_max_tokens_per_rank, bool(saw_the_build and saw_the_build[0])
 
 
 @pytest.mark.parametrize("in_agreement", [False, True])

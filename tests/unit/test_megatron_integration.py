@@ -39,7 +39,6 @@ def _parity(rank: int, world: int, layout: str, tokens_per_rank: list[int], capa
 
     if alignment > 1:  # what FP8/FP4 or the TE op fuser would ask for; not reachable on CPU otherwise
         moe_utils.get_align_size_for_quantization = lambda config: alignment
-    dv2.configure(layout=layout)
     shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3, capacity_factor=capacity_factor)
     reference = build_moe_layer(shape, "alltoall")
     layer = build_moe_layer(shape, "deepepv2")
@@ -93,24 +92,24 @@ def test_moe_layer_with_capacity_factor() -> None:
     run_distributed(_parity, 2, "expand", [16, 16], 0.5, 1, timeout=180)
 
 
-def _compact_layer(rank: int, world: int) -> str:
-    _setup()
-    import megatron_deepepv2 as dv2
+def test_megatron_layers_have_no_layout_setting() -> None:
+    """Megatron layers always dispatch in the expand layout; a layout variable in the environment is read by nothing
+    and says so (direct callers choose their layout per call)."""
+    import dataclasses
+    import logging
 
-    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+    from megatron_deepepv2.config import DeepepV2Settings
 
-    dv2.configure(layout="compact")
+    assert "layout" not in {f.name for f in dataclasses.fields(DeepepV2Settings)}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("megatron_deepepv2.config").addHandler(handler)
     try:
-        build_moe_layer(TinyMoEConfig(), "deepepv2")
-    except ValueError as error:
-        return str(error)
-    return "built"
-
-
-def test_megatron_layers_refuse_the_compact_layout_naming_expand() -> None:
-    (message,) = run_distributed(_compact_layer, 1)
-    assert "Megatron layers dispatch in the expand layout only" in message, message
-    assert "MEGATRON_DEEPEPV2_LAYOUT=expand" in message and "dispatch(layout='compact')" in message, message
+        DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_" + "LAYOUT": "compact"})
+    finally:
+        logging.getLogger("megatron_deepepv2.config").removeHandler(handler)
+    assert any("no megatron_deepepv2 setting reads it" in r.getMessage() for r in records), records
 
 
 @pytest.mark.parametrize("alignment", [16, 32])
@@ -132,7 +131,6 @@ def _empty_rank_stages(rank: int, world: int, layout: str, tokens_per_rank: list
 
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
-    dv2.configure(layout=layout)
     shape = TinyMoEConfig(hidden=16, num_experts=8, topk=2)
     dispatcher = build_moe_layer(shape, "deepepv2").token_dispatcher
     gen = torch.Generator().manual_seed(rank)
@@ -198,7 +196,7 @@ def _routing_ids(rank: int, world: int) -> None:
     _setup()
     from megatron_deepepv2 import ops
     from megatron_deepepv2.manager import _DeepepV2Manager
-    from megatron_deepepv2.policy import dispatch_config_for
+    from megatron_deepepv2.manager import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
 
     init_expert_parallel()
@@ -224,7 +222,8 @@ def _routing_ids(rank: int, world: int) -> None:
             dropped = [k for k in range(topk) if picked[row, k] == 0] if capacity_factor else []
             assert [k for k in range(topk) if ids[row, k] < 0] == dropped, (row, ids[row], picked[row])
         # Valid by construction, so the layer's dispatches skip the id check, and validate runs it all the same.
-        assert dispatch_config_for(config).check_ids is False and ops.DispatchConfig.resolve().check_ids is True
+        assert dispatch_config_for(config).settings.check_ids is False
+        assert ops.resolve_config().settings.check_ids is True
     import megatron_deepepv2 as dv2
 
     with dv2.settings_override(validate=True):
@@ -372,8 +371,9 @@ def _native_without_native(rank: int, world: int) -> str:
 
     with dv2.settings_override(manager="native"), pytest.raises(RuntimeError, match="has none. Unset it"):
         integration.install()
-    with pytest.raises(ValueError, match="manager='megatron' is not one of plugin, native"):
-        dv2.configure(manager="megatron")
+    with dv2.settings_override(manager="megatron"), pytest.raises(ValueError,
+                                                                  match="manager='megatron' is not one of plugin, native"):
+        integration.install()  # install() reads the setting: the rules on it run there
     return "ok"
 
 
@@ -413,7 +413,7 @@ def _sm_setting(rank: int, world: int) -> list[int]:
     _setup()
     import megatron_deepepv2 as dv2
     from megatron_deepepv2 import buffers
-    from megatron_deepepv2.config import DEFAULT_NUM_SMS
+    from megatron_deepepv2.config import DeepepV2Settings
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, transformer_config
 
     field = "moe_flex_dispatcher_num_sms"
@@ -428,9 +428,9 @@ def _sm_setting(rank: int, world: int) -> list[int]:
             layer = build_moe_layer(shape, "deepepv2")
             layer(torch.randn(6, 1, 32))[0].sum().backward()
         (buffer,) = buffers.active_buffers()
-        seen.append(buffer.spec.num_sms)
+        seen.append(buffer.spec.settings.num_sms)
         dv2.destroy_buffers()
-    assert seen == [24, DEFAULT_NUM_SMS, 0], seen
+    assert seen == [24, DeepepV2Settings().num_sms, 0], seen
     return seen
 
 
@@ -440,47 +440,52 @@ def test_sm_setting_reaches_the_buffer() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The manager's contract with Megatron's _DeepepManager
+# The manager's contract with Megatron's flex dispatcher
 # ------------------------------------------------------------------------------------------------
-def _attributes_megatron_sets_up() -> set[str]:
-    """Every ``self.<name>`` that this megatron-core's ``_DeepepManager.__init__`` assigns (read from its source)."""
+def _names_the_flex_dispatcher_uses() -> tuple[set[str], set[str]]:
+    """Every ``self._comm_manager.<name>`` that this megatron-core's ``MoEFlexTokenDispatcher`` reads or calls, and the
+    ones it guards with ``hasattr`` (read from its source)."""
     import ast
     import inspect
     import textwrap
 
-    from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(_DeepepManager.__init__)))
-    names = set()
+    tree = ast.parse(textwrap.dedent(inspect.getsource(MoEFlexTokenDispatcher)))
+    used, guarded = set(), set()
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else \
-            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-        names.update(target.attr for target in targets if isinstance(target, ast.Attribute)
-                     and isinstance(target.value, ast.Name) and target.value.id == "self")
-    return names
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "_comm_manager" and isinstance(node.ctx, ast.Load)):
+            used.add(node.attr)
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr" and len(node.args) == 2
+                and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "_comm_manager"
+                and isinstance(node.args[1], ast.Constant)):
+            guarded.add(node.args[1].value)
+    return used, guarded
 
 
-def _manager_contract(rank: int, world: int, layout: str) -> dict:
+def _manager_contract(rank: int, world: int) -> dict:
     _setup()
-    import megatron_deepepv2 as dv2
-    from megatron.core.transformer.moe.token_dispatcher import _DeepepManager
+    from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
-    dv2.configure(layout=layout)
     manager = build_moe_layer(TinyMoEConfig(), "deepepv2").token_dispatcher._comm_manager
-    expected = _attributes_megatron_sets_up()
-    return {"is_deepep_manager": isinstance(manager, _DeepepManager), "expected": sorted(expected),
-            "missing": sorted(name for name in expected if not hasattr(manager, name))}
+    used, guarded = _names_the_flex_dispatcher_uses()
+    abstract = set(getattr(_DispatchManager, "__abstractmethods__", ()))
+    return {"is_dispatch_manager": isinstance(manager, _DispatchManager), "used": sorted(used),
+            "missing": sorted(name for name in (used - guarded) | abstract if not hasattr(manager, name)),
+            "abstract_left": sorted(getattr(type(manager), "__abstractmethods__", ()))}
 
 
-def test_manager_has_every_attribute_megatrons_deepep_manager_sets_up() -> None:
-    """The manager inherits _DeepepManager's routing helpers without running its __init__ (which needs DeepEP v1):
-    whatever that __init__ sets up on this megatron-core must exist on ours too, or an inherited helper fails mid-step.
-    A release that adds one fails here (CI runs this on every supported megatron-core)."""
-    (report,) = run_distributed(_manager_contract, 1, "expand")
-    assert report["is_deepep_manager"] and len(report["expected"]) >= 8, report
-    assert not report["missing"], f"_DeepepV2Manager lacks {report['missing']} (set up by _DeepepManager.__init__)"
+def test_manager_has_everything_megatrons_flex_dispatcher_uses() -> None:
+    """The manager is a ``_DispatchManager`` with every method and attribute Megatron's flex dispatcher reads of its
+    manager (but those it guards with ``hasattr``). A release that reads a new one fails here (CI runs this on every
+    supported megatron-core)."""
+    (report,) = run_distributed(_manager_contract, 1)
+    assert report["is_dispatch_manager"] and not report["abstract_left"], report
+    assert {"setup_metadata", "dispatch", "combine", "dispatched_probs"} <= set(report["used"]), report
+    assert not report["missing"], f"_DeepepV2Manager lacks {report['missing']}, which the flex dispatcher reads"
 
 
 def _copy_after_a_step(rank: int, world: int) -> dict:
@@ -488,18 +493,20 @@ def _copy_after_a_step(rank: int, world: int) -> dict:
     import pickle
 
     _setup()
-    from megatron_deepepv2.policy import dispatch_config_for
+    from megatron_deepepv2.manager import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
     _forward_backward(layer, torch.randn(6, 1, layer.config.hidden_size, generator=torch.Generator().manual_seed(rank)))
+    from megatron_deepepv2 import ops
+
     resolved = dispatch_config_for(layer.config)
-    assert resolved.dispatchers, "the step should have bound a dispatcher (group, leased buffer, checked inputs)"
+    assert any(key[0] is resolved for key in ops._dispatchers), "the step should have bound a dispatcher"
     copied = copy.deepcopy(layer.config)
     restored = pickle.loads(pickle.dumps(layer.config))
     return {"copied_same": dispatch_config_for(copied) == resolved,
             "restored_same": dispatch_config_for(restored) == resolved,
-            "restored_memo": len(dispatch_config_for(restored).dispatchers),
+            "restored_hash": hash(dispatch_config_for(restored)) == hash(resolved),
             "hidden": (copied.hidden_size, restored.hidden_size)}
 
 
@@ -507,7 +514,7 @@ def test_transformer_config_deep_copies_and_pickles_after_a_deepepv2_step() -> N
     """Megatron deep-copies configs (checkpointing, model builders): the dispatch configuration the manager keeps on
     the TransformerConfig must not make that fail after the first step."""
     for report in run_distributed(_copy_after_a_step, 2):
-        assert report == {"copied_same": True, "restored_same": True, "restored_memo": 0, "hidden": (64, 64)}, report
+        assert report == {"copied_same": True, "restored_same": True, "restored_hash": True, "hidden": (64, 64)}, report
 
 
 def _stream_flags_reaching_deepep(rank: int, world: int) -> list[dict]:

@@ -15,6 +15,7 @@ from megatron_deepepv2 import backends
 from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend, register_backend, resolve_backend
 from megatron_deepepv2.backends.deepep import import_deep_ep
 from megatron_deepepv2.config import OTHER_VARIABLES, DeepepV2Settings, setting_variables
+from megatron_deepepv2.validation import check_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "MEGATRON_DEEPEPV2_"  # misspelt names below are built from it, so the repository names none of them
@@ -68,7 +69,7 @@ def test_settings_from_environment() -> None:
     settings = DeepepV2Settings.from_env(
         {
             "MEGATRON_DEEPEPV2_BACKEND": "Reference",
-            "MEGATRON_DEEPEPV2_LAYOUT": "compact",
+            "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1",
             "MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK": "4096",
             "MEGATRON_DEEPEPV2_VALIDATE": "1",
             "MEGATRON_DEEPEPV2_DETERMINISTIC": "true",
@@ -77,7 +78,7 @@ def test_settings_from_environment() -> None:
         }
     )
     assert settings == DeepepV2Settings(
-        backend="reference", layout="compact", num_max_tokens_per_rank=4096, validate=True,
+        backend="reference", host_sync=False, num_max_tokens_per_rank=4096, validate=True,
         deterministic=True, num_sms=24, allow_hybrid_mode=None,
     )
     assert DeepepV2Settings.from_env({}) == DeepepV2Settings()
@@ -88,19 +89,35 @@ def test_settings_from_environment() -> None:
     [
         ({"MEGATRON_DEEPEPV2_VALIDATE": "maybe"}, "is not a boolean"),
         ({"MEGATRON_DEEPEPV2_NUM_SMS": "many"}, "is not an integer"),
-        ({"MEGATRON_DEEPEPV2_LAYOUT": "diagonal"}, "not a known expert layout"),
+        ({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "perhaps"}, "MEGATRON_DEEPEPV2_NO_HOST_SYNC='perhaps' is not a boolean"),
         ({"MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK": "-5"}, "must be a positive token count"),
+        ({"MEGATRON_DEEPEPV2_NUM_SMS": "-1"}, r"num_sms=-1 must be >= 0"),
+        ({"MEGATRON_DEEPEPV2_MANAGER": "mine"}, "is not one of plugin, native"),
     ],
 )
 def test_bad_environment_values_are_rejected(env: dict, message: str) -> None:
+    """A value its type cannot parse raises when read; one out of range when the settings are checked, which
+    resolving a configuration does."""
     with pytest.raises(ValueError, match=message):
-        DeepepV2Settings.from_env(env)
+        check_settings(DeepepV2Settings.from_env(env))
+
+
+@pytest.mark.parametrize("change", [{"num_sms": -1}, {"growth_timeout_s": 0}, {"experts": "dense"}])
+def test_resolving_a_configuration_checks_its_settings(change: dict) -> None:
+    with dv2.settings_override(**change), pytest.raises(ValueError, match=f"{next(iter(change))}="):
+        dv2.resolve_config(backend="reference")
+
+
+def test_the_no_host_sync_variable_is_the_inverse_of_host_sync() -> None:
+    assert DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "0"}).host_sync is True
+    assert DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1"}).host_sync is False
+    assert [v for v in setting_variables() if "HOST_SYNC" in v] == ["MEGATRON_DEEPEPV2_NO_HOST_SYNC"]
 
 
 def test_configure_and_override() -> None:
     before = dv2.get_settings()
-    with dv2.settings_override(layout="compact", num_sms=8) as settings:
-        assert settings.layout is dv2.ExpertLayout.COMPACT and dv2.get_settings().num_sms == 8
+    with dv2.settings_override(num_sms=8) as settings:
+        assert settings.host_sync is True and dv2.get_settings().num_sms == 8
     assert dv2.get_settings() == before
     with pytest.raises(TypeError, match="Unknown deepepv2 setting"):
         dv2.configure(colour="blue")
@@ -112,14 +129,14 @@ def test_dispatch_without_config_resolves_once_per_arguments_and_settings() -> N
     arguments = {"backend": "reference", "layout": "compact"}
     first = ops._config_for(arguments)
     assert ops._config_for(dict(arguments)) is first  # resolved once, then carried
-    assert first.num_sms == dv2.get_settings().num_sms
+    assert first.settings.num_sms == dv2.get_settings().num_sms
     expand = ops._config_for({"backend": "reference", "layout": "expand", "expert_alignment": 4, "zero_padding": True})
     assert expand.layout is dv2.ExpertLayout.EXPAND and expand.expert_alignment == 4
     # A settings change is seen by the next call (the cache belongs to the settings it was resolved under).
     with dv2.settings_override(num_sms=7, check_ids=False):
         changed = ops._config_for(arguments)
-        assert changed.num_sms == 7 and changed.check_ids is False
-    assert ops._config_for(arguments).num_sms == first.num_sms
+        assert changed.settings.num_sms == 7 and changed.settings.check_ids is False
+    assert ops._config_for(arguments).settings.num_sms == first.settings.num_sms
     # What resolve rejects is still rejected on every call.
     for _ in range(2):
         with pytest.raises(ValueError, match="not a known expert layout"):

@@ -171,7 +171,7 @@ def test_static_errors_raise_without_validation() -> None:
 
 def _check(limits, x, idx=None, w=None, **kwargs):
     idx = torch.zeros(x.shape[0] if not isinstance(x, tuple) else x[0].shape[0], 1, dtype=torch.long) if idx is None else idx
-    defaults = dict(num_experts=8, group_size=2, limits=limits, layout=ExpertLayout.COMPACT, expert_alignment=1, zero_padding=False)
+    defaults = dict(limits=limits, num_experts=8)
     defaults.update(kwargs)
     return check_dispatch_inputs(x, idx, w, **defaults)
 
@@ -201,7 +201,7 @@ ONE_RANK_CASES = {
     "duplicate_expert": ("compact", ValueError, "same expert twice for token 3"),
     "too_many_tokens": ("expand", ValueError, "dispatches 6 tokens but num_max_tokens_per_rank=5"),
     "x_dtype": ("compact", TypeError, "x has dtype torch.int32"),
-    "capacity_alone": ("compact", ValueError, "dispatches 20 tokens, more than the reference buffer's token capacity 8"),
+    "capacity_alone": ("compact", ValueError, "dispatches 20 tokens, more than the reference buffer's token limit 8"),
 }
 
 
