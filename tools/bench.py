@@ -9,9 +9,9 @@ CUDA events after warm-up (DeepEP's JIT excluded), the median of ``--iters`` ite
 * ``raw_fwd_bwd``: the same four ElasticBuffer calls without our layer (the 1.05x target's denominator);
 * ``reference_fwd_bwd``: our ops on the reference backend (NCCL all_to_all_single);
 * ``path_<dispatcher>``: Megatron's dispatcher path (router -> dispatch stages -> identity experts ->
-  combine stages), forward + backward, for alltoall, allgather, deepepv2-expand and deepepv2-compact (a layer the
-  package or Megatron refuses to build is listed under the row's ``not_run`` with the reason; every other
-  dispatcher, DeepEP v1 and hybridep included, side by side on model shapes: ``tools/compare_dispatchers.py``);
+  combine stages), forward + backward, for alltoall, allgather and deepepv2-expand (the one layout Megatron layers
+  take; a layer the package or Megatron refuses to build is listed under the row's ``not_run`` with the reason; every
+  other dispatcher, DeepEP v1 and hybridep included, side by side on model shapes: ``tools/compare_dispatchers.py``);
 * ``layer_<dispatcher>``: a full MoELayer (SequentialMLP experts) forward + backward (BF16 configs only);
 * ``layer_syncfree_*``: the deepepv2 MoELayer with :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`
   experts with host sync, without (eager), and without host sync captured in a CUDA graph (replay);
@@ -189,13 +189,11 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> dict[str, str]:
     shape = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
                           params_dtype=torch.bfloat16)
     x0 = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16)
-    variants = [("alltoall", "alltoall", None), ("allgather", "allgather", None),
-                ("deepepv2_expand", "deepepv2", "expand"), ("deepepv2_compact", "deepepv2", "compact")]
+    variants = [("alltoall", "alltoall"), ("allgather", "allgather"), ("deepepv2_expand", "deepepv2")]
     not_run: dict[str, str] = {}
-    for name, dispatcher, layout in variants:
-        if layout:
-            dv2.configure(layout=layout, backend="deepep", num_sms=args.sms,
-                          num_max_tokens_per_rank=cfg.tokens)
+    for name, dispatcher in variants:
+        if dispatcher == "deepepv2":
+            dv2.configure(backend="deepep", num_sms=args.sms, num_max_tokens_per_rank=cfg.tokens)
         layer = _bench.build_or_reason(name, lambda: build_moe_layer(shape, dispatcher, seed=3), not_run)
         if layer is None:
             continue
@@ -213,7 +211,6 @@ def bench_megatron(cfg: BenchConfig, args, results: dict) -> dict[str, str]:
             results[f"layer_{name}"] = time_op(whole_layer, args)
         layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
-    dv2.configure(layout="expand")
     return not_run
 
 
@@ -235,7 +232,7 @@ def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
 
     x0 = torch.randn(cfg.tokens, 1, cfg.hidden, device="cuda").to(torch.bfloat16)
     grad = torch.ones_like(x0)
-    common = dict(layout="expand", backend="deepep", num_sms=args.sms, num_max_tokens_per_rank=cfg.tokens)
+    common = dict(backend="deepep", num_sms=args.sms, num_max_tokens_per_rank=cfg.tokens)
     shape = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
                           params_dtype=torch.bfloat16)
 
@@ -248,15 +245,15 @@ def bench_sync_free_and_overlap(cfg: BenchConfig, args, results: dict) -> None:
 
         return step
 
-    for name, no_host_sync in (("layer_syncfree_host_sync", False), ("layer_syncfree_no_host_sync", True)):
-        dv2.configure(no_host_sync=no_host_sync, **common)
+    for name, host_sync in (("layer_syncfree_host_sync", True), ("layer_syncfree_no_host_sync", False)):
+        dv2.configure(host_sync=host_sync, **common)
         layer = build_moe_layer(shape, "deepepv2", seed=3, sync_free_experts=True)
         results[name] = time_op(eager(layer), args)
-        if no_host_sync and not args.skip_graph:
+        if not host_sync and not args.skip_graph:
             results["layer_syncfree_graph"] = _time_layer_graph(layer, x0.clone().requires_grad_(), grad, args)
         layer = None  # free the layer (and its buffer references) before the next variant
         dv2.destroy_buffers()
-    dv2.configure(no_host_sync=False)
+    dv2.configure(host_sync=True)
 
     for name, overlap in (("layer_shared_serial", False), ("layer_shared_overlap", True)):
         shared = TinyMoEConfig(hidden=cfg.hidden, ffn=args.ffn, num_experts=cfg.experts, topk=cfg.topk,
@@ -339,10 +336,9 @@ def summarise(cfg: BenchConfig, r: dict, peak: float) -> dict:
 def plot(document: dict, path: str) -> None:
     """Bars of every timed row per configuration, in ms (0: not run)."""
     rows = document["rows"]
-    keys = ["path_alltoall", "path_allgather", "path_deepepv2_expand", "path_deepepv2_compact",
-            "layer_alltoall", "layer_deepepv2_expand", "layer_syncfree_host_sync", "layer_syncfree_no_host_sync",
-            "layer_syncfree_graph", "layer_shared_serial", "layer_shared_overlap", "ops_fwd_bwd", "raw_fwd_bwd",
-            "reference_fwd_bwd"]
+    keys = ["path_alltoall", "path_allgather", "path_deepepv2_expand", "layer_alltoall", "layer_deepepv2_expand",
+            "layer_syncfree_host_sync", "layer_syncfree_no_host_sync", "layer_syncfree_graph", "layer_shared_serial",
+            "layer_shared_overlap", "ops_fwd_bwd", "raw_fwd_bwd", "reference_fwd_bwd"]
     fig, ax = _bench.new_figure(12, 5)
     _bench.grouped_bars(ax, [row["config"] for row in rows],
                         {key: [row["times_us"].get(key, 0) / 1000 for row in rows] for key in keys}, fontsize=7,

@@ -23,8 +23,8 @@ Variants (:data:`VARIANTS`): Megatron's ``alltoall`` with either experts and ``a
 ``deepepv2`` (the expand layout, the one Megatron layers take) with host sync and either experts, without host sync,
 and without host sync with the whole layer (dispatcher + ``SyncFreeSequentialMLP``) captured in one CUDA graph and
 replayed, which only a dispatcher that never waits for the host allows (its comparison: ``alltoall-syncfree``, eager).
-On GPUs deepepv2 runs on ElasticBuffer (DeepEP v2) with ``--sms`` SMs (default: the package's default,
-``megatron_deepepv2.config.DEFAULT_NUM_SMS``, what a user gets); with ``--cpu`` (2 gloo processes, a smoke run of the
+On GPUs deepepv2 runs on ElasticBuffer (DeepEP v2) with ``--sms`` SMs (default: the package's default, the
+``num_sms`` of ``megatron_deepepv2.DeepepV2Settings``, what a user gets); with ``--cpu`` (2 gloo processes, a smoke run of the
 tool itself) on the reference backend, in FP32, without the graph row.
 
 Prints progress, writes ``compare_dispatchers.json`` (the rows, with the run's SMs, git commit and date),
@@ -92,7 +92,6 @@ class Variant:
         dispatcher: What :func:`~megatron_deepepv2.testing.moe_model.build_moe_layer` takes (``alltoall``,
             ``allgather`` or a flex backend name).
         description: What the row is, for the markdown and the JSON.
-        layout: deepepv2 receive layout, None for the other dispatchers.
         no_host_sync: deepepv2 without host sync (needs ``sync_free_experts``).
         sync_free_experts: ``SyncFreeSequentialMLP`` experts instead of Megatron's ``SequentialMLP``.
         graph: Time a CUDA-graph replay of the whole layer step (needs ``no_host_sync``).
@@ -102,7 +101,6 @@ class Variant:
     name: str
     dispatcher: str
     description: str
-    layout: Optional[str] = None
     no_host_sync: bool = False
     sync_free_experts: bool = False
     graph: bool = False
@@ -130,16 +128,15 @@ VARIANTS = [
             needs="HAVE_DEEP_EP"),
     Variant("flex-hybridep", "hybridep", "Megatron's flex dispatcher on HybridEP, SequentialMLP experts",
             needs="HAVE_HYBRIDEP"),
-    Variant("deepepv2-expand", "deepepv2", "flex + deepepv2, expand layout, with host sync, SequentialMLP experts",
-            "expand"),
+    Variant("deepepv2-expand", "deepepv2", "flex + deepepv2, expand layout, with host sync, SequentialMLP experts"),
     Variant("deepepv2-expand-syncfree", "deepepv2", "flex + deepepv2, expand layout, with host sync, "
-            "SyncFreeSequentialMLP experts", "expand", sync_free_experts=True),
+            "SyncFreeSequentialMLP experts", sync_free_experts=True),
     Variant("deepepv2-expand-no-host-sync", "deepepv2", "flex + deepepv2, expand layout, without host sync, "
-            "SyncFreeSequentialMLP experts", "expand", no_host_sync=True, sync_free_experts=True),
+            "SyncFreeSequentialMLP experts", no_host_sync=True, sync_free_experts=True),
     Variant("deepepv2-no-host-sync-layer-graph", "deepepv2", "flex + deepepv2 without host sync, the whole layer "
             "(dispatcher + SyncFreeSequentialMLP experts) forward + backward captured in one CUDA graph and replayed, "
             "which only a dispatcher that never waits for the host allows; its comparison is alltoall-syncfree, "
-            "eager", "expand", no_host_sync=True, sync_free_experts=True, graph=True),
+            "eager", no_host_sync=True, sync_free_experts=True, graph=True),
 ]
 
 #: The layer baseline of each kind of experts: Megatron's alltoall with the same experts.
@@ -180,8 +177,8 @@ def _build_layer(variant: Variant, model: ModelShape, max_tokens: int, args: arg
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer  # noqa: PLC0415
 
     if variant.dispatcher == "deepepv2":
-        dv2.configure(backend="deepep" if cuda else "reference", layout=variant.layout,
-                      no_host_sync=variant.no_host_sync, num_max_tokens_per_rank=max_tokens, num_sms=args.sms)
+        dv2.configure(backend="deepep" if cuda else "reference", host_sync=not variant.no_host_sync,
+                      num_max_tokens_per_rank=max_tokens, num_sms=args.sms)
     extra: dict = {"perform_initialization": not weights}
     if cuda:
         # Parameters allocated (and the first layer initialised) on the GPU: a DeepSeek-V3 layer on one rank
@@ -221,14 +218,14 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         One row per token count. A layer Megatron refuses to build (the same on every rank) gives rows that say why.
     """
     import megatron_deepepv2 as dv2  # noqa: PLC0415
-    from megatron_deepepv2.policy import dispatch_config_for  # noqa: PLC0415
+    from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import capture_layer_step, dispatcher_path_step, layer_step  # noqa: PLC0415
 
     start = time.perf_counter()
     try:
         layer = _build_layer(variant, model, max(tokens_list), args, cuda, weights)
     except Exception as error:  # noqa: BLE001 - a configuration Megatron rejects: recorded, the run goes on
-        dv2.configure(no_host_sync=False)
+        dv2.configure(host_sync=True)
         reason = f"build failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         logger.info("   %-34s not run: %s", variant.name, reason)
         return [{"variant": variant.name, "tokens": tokens, "unavailable": reason} for tokens in tokens_list]
@@ -237,7 +234,7 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
     device = next(layer.parameters()).device
     # What the layer really holds (the baselines are paired on it).
     expert_module = type(layer.experts).__name__
-    num_sms = dispatch_config_for(layer.config).num_sms if variant.dispatcher == "deepepv2" else None
+    num_sms = dispatch_config_for(layer.config).settings.num_sms if variant.dispatcher == "deepepv2" else None
 
     def time_call(fn: _bench.Step) -> float:
         return _bench.median_us(fn, args.iters, args.warmup, cuda=cuda)
@@ -283,7 +280,7 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
             if k not in ("variant", "tokens", "cuda_graph")))
     del layer
     dv2.destroy_buffers()
-    dv2.configure(no_host_sync=False)
+    dv2.configure(host_sync=True)
     return rows
 
 
@@ -463,8 +460,9 @@ def run_metadata(args: argparse.Namespace, cuda: bool) -> dict:
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    from megatron_deepepv2.config import DEFAULT_NUM_SMS  # noqa: PLC0415
+    from megatron_deepepv2.config import DeepepV2Settings  # noqa: PLC0415
 
+    default_sms = DeepepV2Settings().num_sms
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["deepseek-v3", "qwen3-30b-a3b",
                                                                                  "mixtral-8x7b"])
@@ -473,8 +471,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
                         help="a subset (the alltoall rows their ratios need always run)")
     parser.add_argument("--iters", type=int, default=10, help="timed calls per measurement (the median is kept)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before them")
-    parser.add_argument("--sms", type=int, default=DEFAULT_NUM_SMS,
-                        help=f"SMs for DeepEP v2's kernels (default: the package's default, {DEFAULT_NUM_SMS}; "
+    parser.add_argument("--sms", type=int, default=default_sms,
+                        help=f"SMs for DeepEP v2's kernels (default: the package's default, {default_sms}; "
                              "0 = DeepEP's analytic model)")
     parser.add_argument("--cpu", action="store_true", help="2 gloo CPU processes, reference backend (smoke run)")
     parser.add_argument("--out", default="bench_out")

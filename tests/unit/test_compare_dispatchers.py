@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deepepv2.config import DEFAULT_NUM_SMS
+from megatron_deepepv2.config import DeepepV2Settings
 from tests.distributed import run_distributed
 from tools import _bench, compare_dispatchers
 
+#: The package's default SM count (what a user gets).
+DEFAULT_NUM_SMS = DeepepV2Settings().num_sms
 RUNNABLE_ON_CPU = ["alltoall", "alltoall-syncfree", "allgather", "deepepv2-expand", "deepepv2-expand-syncfree",
                    "deepepv2-expand-no-host-sync"]
 # What each row's layer really holds, and the alltoall row with the same experts that its layer ratio is taken against.
