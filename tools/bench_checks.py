@@ -2,16 +2,17 @@
 """Cost of the default input checks of a dispatch, on one GPU.
 
 Times, per routing shape (tokens per rank, experts, top-k), the checks a dispatch runs at default settings: the
-static checks (:func:`megatron_deepepv2.validation.check_dispatch_inputs`, host only) and the device-side
-expert-id check (:func:`megatron_deepepv2.validation.assert_expert_ids_on_device`: one Triton kernel and a
-device-side assert), and, for comparison, the host-synchronising check of the ``validate`` setting. Device time is
-the median over CUDA-event-timed batches of calls; host time is the wall time per call with the GPU kept busy, so
-that it measures launching, not waiting. Each cost is stated against a reference dispatch + combine time
-(``--reference-us``, default: forward dispatch + combine of our ops on 2x H200 at T4096 H4096 E64 top-8 BF16
-expand, docs/benchmarks.md) and the same ops forward + backward (``--fwd-bwd-us``); the check runs once per
-dispatch forward. The launch times compare with ``launch_costs_us``, the host cost of a bare eager launch, a Triton
-launch, an event record and a stream wait on the same machine, timed first. Prints progress, writes
-``bench_checks.json`` and ``bench_checks.png`` to ``--out``::
+static checks (:func:`megatron_deepepv2.validation.check_dispatch_inputs`, host only; a layer runs them at its first
+call and whenever its inputs' types, dtypes, devices or trailing shapes change, so counting them per dispatch, as the
+totals here do, is an upper bound) and the device-side expert-id check
+(:func:`megatron_deepepv2.validation.assert_expert_ids_on_device`: one Triton kernel and a device-side assert), and,
+for comparison, the host-synchronising check of the ``validate`` setting. Device time is the median over
+CUDA-event-timed batches of calls; host time is the wall time per call with the GPU kept busy, so that it measures
+launching, not waiting. Each cost is stated against a reference dispatch + combine time (``--reference-us``, default:
+forward dispatch + combine of our ops on 2x H200 at T4096 H4096 E64 top-8 BF16 expand, docs/benchmarks.md) and the
+same ops forward + backward (``--fwd-bwd-us``); the check runs once per dispatch forward. The launch times compare
+with ``launch_costs_us``, the host cost of a bare eager launch, a Triton launch, an event record and a stream wait on
+the same machine, timed first. Prints progress, writes ``bench_checks.json`` and ``bench_checks.png`` to ``--out``::
 
     python tools/bench_checks.py --out bench_out
 """
@@ -77,7 +78,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Runs every shape; returns the JSON document."""
     import torch
 
-    from megatron_deepepv2.backends import DeepEPBackend, ExpertLayout
+    from megatron_deepepv2.backends import DeepEPBackend
     from megatron_deepepv2 import validation
     from megatron_deepepv2.validation import assert_expert_ids_on_device, check_dispatch_inputs, check_expert_ids
 
@@ -89,9 +90,7 @@ def measure(args: argparse.Namespace) -> dict:
         weights = torch.rand(num_tokens, top_k, device="cuda")
 
         def static_checks():
-            check_dispatch_inputs(x, idx, weights, num_experts=num_experts, group_size=2,
-                                  limits=DeepEPBackend.limits, layout=ExpertLayout.EXPAND, expert_alignment=128,
-                                  zero_padding=False)
+            return check_dispatch_inputs(x, idx, weights, limits=DeepEPBackend.limits, num_experts=num_experts)
 
         def device_check():
             assert_expert_ids_on_device(idx, num_experts)
@@ -105,6 +104,9 @@ def measure(args: argparse.Namespace) -> dict:
         def assert_only():
             torch._assert_async(ok, "bench")
 
+        problem = static_checks()
+        if problem is not None:  # the checks would stop at it instead of running to the end
+            raise RuntimeError(f"The benchmark's own inputs fail the static checks: {problem}")
         device_check()  # creates the per-device flag the parts below use
         ok = validation._ok_flags[idx.device]
         for fn in (static_checks, device_check, host_check, kernel_only, assert_only):
