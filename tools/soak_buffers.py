@@ -95,7 +95,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
     del pending, current
     stats = buffers.buffer_stats()
     return {"samples": samples, "retired_at_end": len(buffers.retired_buffers()), "checked_steps": checked,
-            "builds": stats.builds, "rebuilds": stats.rebuilds_for_capacity, "released": stats.released}
+            "builds": stats.builds, "rebuilds": stats.rebuilds, "released": stats.released}
 
 
 def verdict(report: dict, args) -> dict:
