@@ -1,22 +1,9 @@
-"""Buffer lifecycle: the single source of truth for the communication buffers of this process.
+"""Buffer lifecycle: the one registry of this process's communication buffers.
 
-One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend` instance) lives per (backend, process group,
-:attr:`~megatron_deepepv2.backends.base.BufferSpec.key`), so MoE layers whose keys differ keep their own. A build is
-collective on the group's ranks, never happens inside CUDA-graph capture, and agrees on the key, so ranks whose keys
-differ raise naming each other's instead of corrupting the exchange.
-
-**Lifetime.** A handle keeps the buffer that made it, and a micro-batch's autograd graph keeps its handle until its
-backward. A rebuild therefore *retires* the old buffer (its handles still work; :func:`get_buffer` hands out the new
-one). A retired buffer is destroyed by the first :func:`release_retired_buffers` -- once per training step on every
-rank -- or build on its group at which every rank agrees, in one small all-reduce, that no handle uses it;
-:func:`destroy_buffers` destroys everything at shutdown.
-
-**Token limit** (``num_max_tokens_per_rank``, the same on every rank: a DeepEP JIT constant and layout parameter):
-as configured, else the largest first batch over the ranks, rounded up to a power of two. A batch above it grows it
-collectively to the maximum over the ranks, which needs the ranks to exceed it together (Megatron's equal per-rank
-token counts do). A rank that exceeds it alone waits at the rendezvous store and leaves why there
-(:func:`~megatron_deepepv2.failures.begin_build`); its peers raise naming it, and it raises after
-``growth_timeout_s``. Where one rank alone can exceed, configure the true maximum or turn on ``validate``.
+One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend`) lives per (backend, process group,
+:attr:`~megatron_deepepv2.backends.base.BufferSpec.key`). Builds are collective over the group, never run in CUDA-graph
+capture, and agree on the key over the ranks. A rebuild for more tokens *retires* the old buffer: the dispatch handles
+that hold it keep working until :func:`release_retired_buffers` (or a build) finds that no rank uses it.
 """
 
 from __future__ import annotations
@@ -25,7 +12,7 @@ import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -71,8 +58,7 @@ _PRUNE_AT = 64
 
 
 class _HandleRecords:
-    """Weak references to the dispatch handles of one buffer: a handle dropped by its last user dies by itself, and
-    its dead reference is pruned in bulk once the list doubles (O(1) per dispatch, amortised)."""
+    """Weak references to the dispatch handles of one buffer, dead ones pruned in bulk (O(1) per dispatch)."""
 
     __slots__ = ("refs", "prune_at")
 
@@ -81,7 +67,7 @@ class _HandleRecords:
         self.prune_at = _PRUNE_AT
 
     def prune(self) -> None:
-        """Drops the references of dead handles (called by :func:`track_handle` once the list doubled)."""
+        """Drops the references of dead handles."""
         self.refs = [ref for ref in self.refs if ref() is not None]
         self.prune_at = max(_PRUNE_AT, 2 * len(self.refs))
 
@@ -98,25 +84,24 @@ def _is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def get_buffer(
-    backend_cls: type[DispatchBackend],
-    group: dist.ProcessGroup,
-    spec: BufferSpec,
-    num_tokens: int,
-) -> DispatchBackend:
+def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spec: BufferSpec,
+               num_tokens: int) -> DispatchBackend:
     """Returns the buffer for ``group`` and ``spec.key`` with room for ``num_tokens``, building or rebuilding it.
+
+    Collective when it builds: every rank of ``group`` must come. The token limit is
+    ``spec.settings.num_max_tokens_per_rank`` when set, else the largest first batch over the ranks rounded up to a
+    power of two; a batch above it grows it to the maximum over the ranks, which the ranks must exceed together.
 
     Args:
         backend_cls: Backend class to build.
         group: Expert-parallel process group.
-        spec: What to build for; its ``num_max_tokens_per_rank`` is ignored (the token limit is decided here, from
-            ``spec.settings.num_max_tokens_per_rank`` or the batches seen).
+        spec: What to build for; its ``num_max_tokens_per_rank`` is ignored (the token limit is decided here).
         num_tokens: Tokens this call dispatches.
 
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
         ValueError: If the other ranks did not come to the build (within ``spec.settings.growth_timeout_s``, or they
-            stopped waiting for this rank in their own communication), or build with another key.
+            stopped waiting for this rank), or build with another key.
         PeerFailure: A peer failed in this call.
     """
     key = (backend_cls.name, group, spec.key)
@@ -124,20 +109,16 @@ def get_buffer(
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
         return current
     if _is_capturing():
-        raise RuntimeError(
-            "The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
-            "capture. Run one eager step with the same shapes before capturing."
-        )
+        raise RuntimeError("The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
+                           "capture. Run one eager step with the same shapes before capturing.")
     configured = spec.settings.num_max_tokens_per_rank
     growth_timeout_s = spec.settings.growth_timeout_s
-    # A configured limit is taken as it is: without host sync it sizes every worst-case receive, so rounding it up
-    # would inflate them. Start from the largest limit this group already has (another layer's buffer has seen the
-    # same batches), so that a second key does not grow through the sizes the first one did.
-    limit = max([int(configured or 0)] + [b.spec.num_max_tokens_per_rank
-                                          for (name, g, _), b in _buffers.items()
+    # A configured limit is kept exact (without host sync it sizes every worst-case receive). Start from the group's
+    # largest limit, so that a second key does not grow through the sizes the first one did.
+    limit = max([int(configured or 0)] + [b.spec.num_max_tokens_per_rank for (name, g, _), b in _buffers.items()
                                           if name == backend_cls.name and g is group])
-    # Builds are collective: first make sure every rank is here, through the store, so that a rank that exceeds the
-    # limit alone fails with the reason instead of waiting in an all-reduce the others never join.
+    # Meet at the store first: a rank that exceeds the limit alone then fails with its reason instead of waiting in an
+    # all-reduce the others never join.
     if current is None:
         reason = f"builds its first {backend_cls.name} buffer for hidden size {spec.hidden}, top-k {spec.num_topk}"
         why_not, fix = "they dispatch shapes they have a buffer for, or stopped before", ""
@@ -165,23 +146,20 @@ def get_buffer(
                              f"{what} it within {growth_timeout_s:g} s: {why_not}.{f' The {fix}.' if fix else ''}")
         announce_failure(group, problem)
         raise problem
-    # Collective, and unconditional so that every rank on this path runs it: the ranks agree on the largest batch, on
-    # the shape key (a rank whose key differs would corrupt the exchange: every rank raises naming each one's), and on
-    # which retired buffers no rank uses any more (released here).
-    alike = dict(zip(("hidden size", "top-k", *_BUFFER_SETTING_NAMES), (-1 if v is None else int(v) for v in spec.key)))
+    # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
+    # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
+    alike = dict(zip(("hidden size", "top-k", "FP8", *_BUFFER_SETTING_NAMES),
+                     (-1 if v is None else int(v) for v in spec.key)))
     largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, alike=alike)
-    if group in _retired:  # the build's ranks are together anyway: release what no handle uses any more
+    if group in _retired:
         _release(group)
-    # Only a learnt limit (largest batch) is rounded to a power of two, so that batches of varying size rebuild
-    # (and recompile DeepEP's kernels) rarely.
+    # A learnt limit is rounded up to a power of two, so that varying batches rebuild (and recompile DeepEP) rarely.
     limit = max(limit, next_power_of_two(largest) if not configured else largest)
-
     if current is not None:
         _stats.rebuilds += 1
         logger.info("Rebuilding the %s buffer: %d tokens exceed the token limit %d (the old buffer is kept until no "
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
         _retired.setdefault(group, []).append(_buffers.pop(key))
-
     buffer = backend_cls(group, replace(spec, num_max_tokens_per_rank=limit))
     _buffers[key] = buffer
     _stats.builds += 1
@@ -192,14 +170,11 @@ def get_buffer(
 
 
 def track_handle(handle) -> None:
-    """Records a dispatch handle as a user of its buffer (until the handle is garbage).
-
-    Args:
-        handle: A :class:`~megatron_deepepv2.backends.base.DispatchHandle` just returned by a dispatch.
-    """
-    records = _handles.get(handle.backend)
+    """Records ``handle``, a :class:`~megatron_deepepv2.backends.base.DispatchHandle` just returned by a dispatch, as
+    a user of its buffer until the handle is garbage."""
+    records = _handles.get(handle.buffer)
     if records is None:
-        records = _handles[handle.backend] = _HandleRecords()
+        records = _handles[handle.buffer] = _HandleRecords()
     refs = records.refs  # appended here, not in a method: this runs every dispatch
     refs.append(weakref.ref(handle))  # no callback: the cheapest record there is
     if len(refs) > records.prune_at:
@@ -218,9 +193,8 @@ def _forget(buffer: DispatchBackend) -> None:
 
 
 def _release(group: dist.ProcessGroup) -> int:
-    """Destroys the retired buffers of ``group`` that no rank's handle uses, agreed in one small all-reduce
-    (collective: every rank of ``group`` calls it with the same retired buffers; DeepEP's destroy synchronises the
-    ranks). Returns how many it destroyed."""
+    """Destroys the retired buffers of ``group`` that no rank's handle uses (collective: every rank calls it with the
+    same retired buffers). Returns how many it destroyed."""
     retired = _retired[group]
     in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], group)
     keep = [buffer for buffer, used in zip(retired, in_use) if used]
@@ -239,10 +213,9 @@ def release_retired_buffers() -> int:
     """Destroys the retired buffers (superseded by a rebuild for more tokens) that no dispatch handle uses any more.
 
     Collective: call it on every rank of the expert-parallel groups at the same point of every training step, once
-    that step's backward passes have run (e.g. next to the gradient reduction), never per dispatch. It runs one small
-    all-reduce of in-use flags per group that has retired buffers (the ranks agree, so a buffer one rank's pending
-    backward still uses is kept everywhere), plus DeepEP's collective destroy of each buffer released; with nothing
-    retired it runs no collective at all (buffers retire in collective builds, so every rank knows that alike).
+    that step's backward passes have run, never per dispatch. One small all-reduce per group with retired buffers (a
+    buffer any rank still uses is kept on all), plus the backend's collective destroy of each one released; no
+    collective at all when nothing is retired.
 
     Returns:
         How many buffers it destroyed (the same on every rank).

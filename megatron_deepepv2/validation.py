@@ -1,21 +1,8 @@
-"""Every rule of megatron-deepepv2 on settings, configurations and inputs, each written once; each error names the
-argument, its value and how to fix it. Rules run before any communication starts (a rank that raised inside a
-collective would leave its peers waiting).
-
-* **configuration rules** (:func:`check_settings`, :func:`check_dispatch_config`, :func:`check_binding`,
-  :func:`check_megatron_config`): once, when a configuration is resolved or bound to a group;
-* **static input checks** (:func:`check_dispatch_inputs`, :func:`check_combine_inputs`): types, dtypes, shapes,
-  devices and backend limits, no device sync; once per input signature;
-* **expert-id checks** (``check_ids``, direct calls): ids in ``[-1, num_experts)``, no expert twice in a row. On CUDA
-  one Triton kernel clears a flag: with host sync the flag is read (a ValueError naming the token), without a
-  device-side assert stops the process (a bad id must not reach the exchange). On CPU the ids are read;
-* **agreed checks** (``validate``): the same on the host, then one small all-reduce, so bad input on one rank raises
-  on every rank; it also names ranks whose dtype, hidden size, top-k or FP8-ness differ.
-
-Without ``validate`` a rank that rejects its input raises alone, after leaving its error in the rendezvous store
-(:func:`megatron_deepepv2.failures.announce_failure`); a peer raises naming that rank and its error -- within
-milliseconds over gloo, where waits watch the store, else when its own wait fails. With ``validate`` every rank raises
-together, a peer naming the rejecting ranks and their errors.
+"""The rules on settings, configurations and dispatch/combine inputs, each written once; every error names the
+argument, its value and the fix. Each rule runs before any communication starts: a rank that raised inside a
+collective would leave its peers waiting. Configuration rules run once per resolved or bound configuration, the static
+input checks once per input signature, the expert-id checks per dispatch; :func:`raise_on_every_rank` raises a rank's
+problem alone (announced to its peers) or, with ``validate``, on every rank together.
 """
 
 from __future__ import annotations
@@ -47,21 +34,23 @@ def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
 
 
 def check_settings(settings: "DeepepV2Settings") -> None:
-    """The rules on the values of the settings.
+    """Checks the values of ``settings``.
 
     Raises:
         ValueError: For a value its setting cannot take, naming the setting's environment variable.
     """
     if settings.manager not in MANAGERS:
-        raise ValueError(f"manager={settings.manager!r} is not one of {', '.join(MANAGERS)} (MEGATRON_DEEPEPV2_MANAGER: "
-                         "'plugin' for this package's deepepv2, 'native' for megatron-core's own).")
+        raise ValueError(f"manager={settings.manager!r} is not one of {', '.join(MANAGERS)} "
+                         "(MEGATRON_DEEPEPV2_MANAGER: 'plugin' for this package's deepepv2, 'native' for "
+                         "megatron-core's own).")
     if settings.experts not in EXPERTS:
         raise ValueError(f"experts={settings.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS: "
                          "'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
                          "SequentialMLP).")
     if settings.num_max_tokens_per_rank is not None and int(settings.num_max_tokens_per_rank) <= 0:
-        raise ValueError(f"num_max_tokens_per_rank={settings.num_max_tokens_per_rank} must be a positive token count, "
-                         "or unset to take the largest first batch over the ranks (MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK).")
+        raise ValueError(f"num_max_tokens_per_rank={settings.num_max_tokens_per_rank} must be a positive token "
+                         "count, or unset to take the largest first batch over the ranks "
+                         "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK).")
     if float(settings.growth_timeout_s) <= 0:
         raise ValueError(f"growth_timeout_s={settings.growth_timeout_s} must be a positive number of seconds "
                          "(MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S).")
@@ -71,11 +60,12 @@ def check_settings(settings: "DeepepV2Settings") -> None:
 
 
 def check_dispatch_config(config: "DispatchConfig") -> None:
-    """The rules on a dispatch configuration and its settings, run once when it is resolved.
+    """Checks a dispatch configuration and its settings (run once, when it is resolved).
 
     Raises:
-        ValueError: For a setting out of range, an alignment below 1, zero padding outside the expand layout, or a
-            mode the backend cannot run.
+        ValueError: For a setting out of range, an alignment below 1, zero padding outside the expand layout, padded
+            expand blocks without zero padding, or deterministic mode without host sync on a backend whose
+            ``limits.deterministic_without_host_sync`` is False.
     """
     check_settings(config.settings)
     alignment = config.expert_alignment
@@ -99,7 +89,7 @@ def check_dispatch_config(config: "DispatchConfig") -> None:
 
 
 def check_binding(num_experts: int, group_size: int) -> None:
-    """The rule on binding a configuration to a group: every rank hosts the same number of experts.
+    """Checks that every rank of a group of ``group_size`` ranks hosts the same number of experts.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of ``group_size``.
@@ -118,7 +108,7 @@ def fp8_hidden_size_problem(hidden: int) -> Optional[ValueError]:
 
 
 def check_megatron_config(config: Any) -> None:
-    """The rules on a Megatron ``TransformerConfig`` that selects deepepv2.
+    """Checks a Megatron ``TransformerConfig`` that selects deepepv2.
 
     Raises:
         ValueError: For a combination deepepv2 does not support, saying what to change.
@@ -152,7 +142,7 @@ def check_megatron_config(config: Any) -> None:
 
 
 def check_fp8_model(config: Any) -> None:
-    """The rules on a Megatron ``TransformerConfig`` whose layers dispatch in FP8.
+    """Checks a Megatron ``TransformerConfig`` whose layers dispatch in FP8.
 
     Raises:
         TypeError: If the model does not train in BF16.
@@ -175,17 +165,10 @@ def host_sync_capture_problem() -> RuntimeError:
         "sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers.")
 
 
-def check_dispatch_inputs(
-    x: "HiddenStates",
-    topk_idx: torch.Tensor,
-    topk_weights: Optional[torch.Tensor],
-    *,
-    limits: "BackendLimits",
-    fp8_dispatch: bool = False,
-    num_max_tokens_per_rank: Optional[int] = None,
-    num_experts: int = 0,
-    check_values: bool = False,
-) -> Optional[Exception]:
+def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], *,
+                          limits: "BackendLimits", fp8_dispatch: bool = False,
+                          num_max_tokens_per_rank: Optional[int] = None, num_experts: int = 0,
+                          check_values: bool = False) -> Optional[Exception]:
     """Checks dispatch arguments; returns the first problem instead of raising it.
 
     Args:
@@ -268,8 +251,8 @@ def check_dispatch_inputs(
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
-    """Checks expert ids on the host (a device-to-host sync for device tensors): each in ``[-1, num_experts)``, no
-    expert twice in one row. Returns a ``ValueError`` naming the first bad token, or None."""
+    """Checks ``[T, K]`` int64 expert ids on the host (a device-to-host copy for device tensors): each in
+    ``[-1, num_experts)``, no expert twice in one row. Returns a ``ValueError`` naming the first bad token, or None."""
     if topk_idx.numel() == 0:
         return None
     if not topk_idx.is_cuda and _host_ids_are_good(topk_idx.numpy(), num_experts):
@@ -277,27 +260,18 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Excep
     out_of_range, duplicate = _bad_id_masks(topk_idx, num_experts)
     if bool(out_of_range.any()):
         token = int(out_of_range.any(dim=1).nonzero()[0, 0])
-        return ValueError(
-            f"topk_idx holds expert ids outside [-1, {num_experts}): token {token} has "
-            f"{topk_idx[token].tolist()}. Use -1 for 'no expert'."
-        )
+        return ValueError(f"topk_idx holds expert ids outside [-1, {num_experts}): token {token} has "
+                          f"{topk_idx[token].tolist()}. Use -1 for 'no expert'.")
     if bool(duplicate.any()):
         token = int(duplicate.any(dim=1).nonzero()[0, 0])
-        return ValueError(
-            f"topk_idx selects the same expert twice for token {token}: {topk_idx[token].tolist()}. Each "
-            "token must select distinct experts (DeepEP turns this into a device-side assert)."
-        )
+        return ValueError(f"topk_idx selects the same expert twice for token {token}: {topk_idx[token].tolist()}. "
+                          "Each token must select distinct experts (DeepEP turns this into a device-side assert).")
     return None
 
 
 def _host_ids_are_good(ids: np.ndarray, num_experts: int) -> bool:
-    """Whether host ids ``[T, K]`` are all in ``[-1, num_experts)`` with no expert twice in a row.
-
-    The common case of the host check, in numpy over the tensor's own memory, in as few array operations as the
-    test allows (each costs a few microseconds whatever the batch, where the same test in torch ops costs tens):
-    the bounds from two reductions, repeats from adjacent equal ids of the row-sorted ids. A bad batch is then
-    examined with :func:`_bad_id_masks` to name the token.
-    """
+    """Whether host ids ``[T, K]`` are all in ``[-1, num_experts)`` with no expert twice in a row: the fast path of
+    :func:`check_expert_ids`, in numpy over the tensor's memory (fewer, cheaper operations than torch's)."""
     if ids.min() < -1 or ids.max() >= num_experts:
         return False
     if ids.shape[1] < 2:
@@ -324,12 +298,10 @@ def _any_bad_id(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out_of_range.any() | duplicate.any()
 
 
-_BAD_IDS_MESSAGE = (
-    "deepepv2 dispatch: topk_idx holds an expert id outside [-1, num_experts) or a token that selects one expert "
-    "twice. Rerun with MEGATRON_DEEPEPV2_VALIDATE=1 to raise a ValueError naming the token and its ids."
-)
-#: Per CUDA device: one int32 that the check kernel clears when it sees a bad id (set to 1 once, never reset:
-#: the assert that reads it stops the process).
+_BAD_IDS_MESSAGE = ("deepepv2 dispatch: topk_idx holds an expert id outside [-1, num_experts) or a token that selects "
+                    "one expert twice. Rerun with MEGATRON_DEEPEPV2_VALIDATE=1 to raise a ValueError naming the token "
+                    "and its ids.")
+#: Per CUDA device: the int32 flag of the device-side assert (never reset: a failed assert stops the process).
 _ok_flags: dict[torch.device, torch.Tensor] = {}
 #: Per CUDA device: the flag of :func:`check_expert_ids_with_flag`, read on the host (and reset after a failure).
 _host_read_flags: dict[torch.device, torch.Tensor] = {}
@@ -341,6 +313,7 @@ def _flag_on(flags: dict[torch.device, torch.Tensor], device: torch.device) -> t
     if flag is None:
         flag = flags.setdefault(device, torch.ones(1, dtype=torch.int32, device=device))
     return flag
+
 
 if triton is not None:
 
@@ -362,8 +335,8 @@ if triton is not None:
 
 
 def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Tensor) -> None:
-    """Sets the int32 ``ok`` (on ``topk_idx``'s device) to 0 when the contiguous ``[T, K]`` ``topk_idx`` holds a bad
-    id; leaves it as it is otherwise."""
+    """Sets the int32 ``ok`` (on ``topk_idx``'s device) to 0 when the contiguous ``[T, K]`` ``topk_idx`` holds an id
+    outside ``[-1, num_experts)`` or an expert twice in a row; leaves it as it is otherwise. Reads nothing back."""
     num_tokens, num_topk = topk_idx.shape
     if triton is not None and topk_idx.is_cuda:
         k_pad = triton.next_power_of_2(num_topk)
@@ -375,10 +348,8 @@ def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Te
 
 
 def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
-    """The id check of a CUDA dispatch that waits on the host anyway (host sync): the kernel of
-    :func:`assert_expert_ids_on_device`, then a read of its 4-byte flag instead of a device assert (which would leave
-    the process unusable and, here, surface only at DeepEP's CPU timeout: the dispatch waits for counts that kernels
-    after a failed assert never write). The ids are copied to the host only when the flag says one is bad.
+    """The id check of a CUDA dispatch with host sync: :func:`clear_flag_on_bad_ids`, then one read of its 4-byte flag
+    (the ids are copied to the host only when one is bad). Unlike a device assert, a bad id leaves the process usable.
 
     Returns:
         A ``ValueError`` naming the first bad token, or None.
@@ -387,7 +358,7 @@ def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Opti
         return None
     flag = _flag_on(_host_read_flags, topk_idx.device)
     clear_flag_on_bad_ids(topk_idx.contiguous(), num_experts, flag)
-    if flag.item():  # the one host read: 4 bytes, after the queued work (see above)
+    if flag.item():  # waits for the queued work, as the dispatch's own host wait would moments later
         return None
     flag.fill_(1)
     return check_expert_ids(topk_idx.cpu(), num_experts) or ValueError(_BAD_IDS_MESSAGE)
@@ -395,10 +366,12 @@ def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Opti
 
 def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
                                 group: Optional[dist.ProcessGroup] = None) -> None:
-    """The id check without a host read: on CUDA one Triton kernel clears a per-device flag and ``torch._assert_async``
-    asserts on it (nothing allocated or awaited: capturable in a CUDA graph; a failed assert stops the process, its
-    message says to rerun with ``MEGATRON_DEEPEPV2_VALIDATE=1`` to name the token). Elsewhere the same test runs as
-    tensor ops and raises a RuntimeError, first announced to the peers of ``group``.
+    """The id check without a host read. On CUDA, :func:`clear_flag_on_bad_ids` and ``torch._assert_async`` on its
+    flag: nothing allocated or awaited (capturable in a CUDA graph); a bad id stops the process, the message saying to
+    rerun with ``MEGATRON_DEEPEPV2_VALIDATE=1`` to name the token.
+
+    Raises:
+        RuntimeError: Off CUDA, for a bad id (first announced to the peers of ``group`` when given).
     """
     num_tokens, num_topk = topk_idx.shape
     if num_tokens == 0:
@@ -418,7 +391,8 @@ def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
 
 def check_combine_inputs(x: torch.Tensor, handle: "DispatchHandle",
                          topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
-    """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply).
+    """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply):
+    ``x`` is ``[handle.num_recv_rows, H]``; ``topk_weights`` float32 ``[rows]`` (expand) or ``[rows, K]``, or None.
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None.
@@ -457,25 +431,17 @@ def dtype_code(dtype: torch.dtype) -> int:
 def _describe(field: str, value: int) -> str:
     if field == "dtype":
         return str(_DTYPE_CODES[value - 1]).removeprefix("torch.") if 0 < value <= len(_DTYPE_CODES) else "another"
-    if field in ("FP8", "deterministic"):
-        return "yes" if value else "no"
+    if field in ("FP8", "deterministic", "allow_hybrid_mode"):
+        return "auto" if value < 0 else "yes" if value else "no"
     return str(value)
 
 
-def raise_on_every_rank(
-    problem: Optional[Exception],
-    group: dist.ProcessGroup,
-    *,
-    agree: bool,
-    num_tokens: int = 0,
-    alike: Optional[dict[str, int]] = None,
-) -> int:
+def raise_on_every_rank(problem: Optional[Exception], group: dist.ProcessGroup, *, agree: bool, num_tokens: int = 0,
+                        alike: Optional[dict[str, int]] = None) -> int:
     """Raises ``problem``; with ``agree``, first makes every rank of ``group`` raise together.
 
-    With ``agree`` one small all-reduce carries an error flag per rank, the token count and the largest and smallest
-    of each value in ``alike``, so a problem on any rank, or values that differ where they must be alike (the layout
-    of the exchange), stops every rank before the exchange; only then does a second collective gather the values,
-    to name each rank's.
+    With ``agree`` this is collective: one small all-reduce (error flags, token count, range of each ``alike`` value),
+    plus an all-gather only when values differ. Without it, ``problem`` is announced to the peers, then raised.
 
     Args:
         problem: This rank's problem, or None.
@@ -488,9 +454,8 @@ def raise_on_every_rank(
         The largest token count over the group (``num_tokens`` itself without ``agree``).
 
     Raises:
-        TypeError, ValueError: ``problem``; with ``agree``, a ValueError on the other ranks naming each rank that had
-            one and its error (read from the store, where each such rank leaves it before the all-reduce), or
-            naming each rank's values that differ; each marked as raised together (``failures.agreed``).
+        TypeError, ValueError: ``problem``; with ``agree``, on the other ranks a ValueError naming each rank that had
+            one and its error, or each rank's differing values; each marked by ``failures.agreed``.
     """
     if not agree:
         if problem is not None:
@@ -528,8 +493,8 @@ def raise_on_every_rank(
                                              if name in differing)
             for r in range(world))
         raise agreed(ValueError(
-            f"The ranks of the expert-parallel group dispatch inputs whose {', '.join(differing)} differ ({described}). "
-            "Every rank must dispatch the same dtype, hidden size, top-k and FP8-ness with the same determinism and "
-            "SM count: they fix the layout of the exchange. Give every rank the same model configuration and settings."
-        ))
+            f"The ranks of the expert-parallel group dispatch inputs whose {', '.join(differing)} differ "
+            f"({described}). Every rank must dispatch the same dtype, hidden size, top-k and FP8-ness with the same "
+            "determinism and SM count: they fix the layout of the exchange. Give every rank the same model "
+            "configuration and settings."))
     return outcome[world]
