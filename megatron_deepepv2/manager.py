@@ -1,22 +1,6 @@
-"""``_DeepepV2Manager``: Megatron's flex-dispatcher stages over :mod:`megatron_deepepv2.ops`, and the policy that maps
-a Megatron ``TransformerConfig`` onto a dispatch configuration (:func:`dispatch_config_for`).
-
-Megatron's flex dispatcher drives a manager in fixed stages (``setup_metadata`` -> ``dispatch`` ->
-``get_permuted_hidden_states_by_experts`` -> experts -> ``get_restored_hidden_states_by_experts`` -> ``combine``).
-This one dispatches in DeepEP's expand layout: each expert block padded to ``get_align_size_for_quantization(config)``
-(at least 1) with zero rows and zero probs, so permute and unpermute are identities and the tokens per expert come from
-the dispatch handle (the experts must not pad again: :mod:`megatron_deepepv2.integration` makes
-``skip_routed_expert_padding`` say so). Each stage calls the autograd Function of its op, which calls the backend.
-
-Without host sync (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``) the dispatch output has the worst-case row count,
-``get_number_of_tokens_per_expert()`` is a device tensor and nothing on this path reads the device on the host, so the
-layer can be captured in a CUDA graph; the experts must take device counts (:mod:`megatron_deepepv2.experts`).
-
-Receive bound (``--moe-expert-rank-capacity-factor``): the experts get at most :meth:`_DeepepV2Manager.receive_bound`
-rows, HybridEP's budget, a static size; rows past it are dropped and counted on the device (``dropped_rows``,
-``over_budget``, which Megatron's ``check_over_budget`` reads and ``reset_over_budget`` clears). The kept rows are a
-copy (:class:`_KeepRows`), so the experts save bound-sized tensors for backward, and the worst-case receive is reused
-as the combine's input (:class:`_RestoreRows`).
+"""``_DeepepV2Manager``, the dispatch manager of ``--moe-flex-dispatcher-backend deepepv2``: the flex dispatcher's
+stages over :mod:`megatron_deepepv2.ops` in the expand layout (permute and unpermute are identities) and the receive
+bound of ``moe_expert_rank_capacity_factor``; and the policy mapping a ``TransformerConfig`` onto a dispatch config.
 """
 
 from __future__ import annotations
@@ -35,34 +19,29 @@ from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.layout import receive_bound_rows
 
 logger = logging.getLogger(__name__)
-
 _warned_low_precision_probs = False
 
 
 def alignment_for(config: Any) -> int:
-    """Row alignment the experts of a Megatron config need (grouped GEMM, quantization), 1 when none."""
+    """Row alignment the experts of Megatron ``config`` need (grouped GEMM, quantization); at least 1."""
     return max(int(moe_utils.get_align_size_for_quantization(config)), 1)
 
 
 def configured_num_sms(config: Any) -> int:
-    """Megatron's SM count for the dispatcher kernels, 0 when unset: ``moe_flex_dispatcher_num_sms`` (megatron-core
-    >= 0.19, None = unset), else ``moe_deepep_num_sms`` (whose default, 20, counts as set)."""
+    """Megatron's SM count for the dispatcher kernels: ``config.moe_flex_dispatcher_num_sms`` where it exists (None =
+    unset), else ``config.moe_deepep_num_sms`` (its default, 20, counts as set); 0 when unset."""
     if hasattr(config, "moe_flex_dispatcher_num_sms"):
         return int(config.moe_flex_dispatcher_num_sms or 0)
     return int(getattr(config, "moe_deepep_num_sms", 0) or 0)
 
 
 def dispatch_config_for(config: Any) -> DispatchConfig:
-    """The dispatch configuration of a Megatron ``TransformerConfig``, resolved on first use and kept on it: every
-    layer built from one config (a model's, usually) shares it, whatever the settings say later.
-
-    The expand layout, zero padding, :func:`alignment_for`, Megatron's SM count over the ``num_sms`` setting,
-    deterministic when the settings or ``--deterministic-mode`` say, and none of the passes only direct callers need
-    (the ids come from ``torch.topk``; nothing reads other ranks' weights or the rows past the valid ones).
+    """The dispatch configuration of Megatron ``config``, resolved once and cached on it (layers of one config share
+    it): expand layout, zero padding, :func:`alignment_for`, :func:`configured_num_sms` (else the setting),
+    deterministic with the setting or ``config.deterministic_mode``; no id check, weight masking or tail clearing.
 
     Raises:
-        ValueError: If the settings or the config are out of range, the backend cannot run the mode, or FP8 dispatch
-            is asked for with a hidden size that is not a multiple of 128.
+        ValueError: For an out-of-range setting, a mode the backend cannot run, or FP8 with hidden size % 128 != 0.
         TypeError: If FP8 dispatch is asked for by a model that does not train in BF16.
         ImportError: If the configured backend was named explicitly and cannot run.
     """
@@ -89,21 +68,14 @@ class _DeepepV2Manager(_DispatchManager):
         num_local_experts: Experts on this rank.
         router_topk: Top-k over the TPxEP group (``tp * moe_router_topk``).
         num_experts: Experts over the TPxEP group (``tp * num_moe_experts``).
-        config: Megatron ``TransformerConfig`` (see :func:`dispatch_config_for`).
+        config: Megatron ``TransformerConfig``.
 
     Raises:
-        ImportError: If the configured backend was named explicitly and cannot run.
-        ValueError: If the configuration is out of range or the backend cannot run the configured mode.
+        ValueError, TypeError, ImportError: As :func:`dispatch_config_for` and :func:`megatron_deepepv2.ops.bind`.
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        num_local_experts: int,
-        router_topk: int,
-        num_experts: int,
-        config: Any,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup, num_local_experts: int, router_topk: int, num_experts: int,
+                 config: Any) -> None:
         self.group = group
         self.num_local_experts = num_local_experts
         self.config = config
@@ -113,13 +85,9 @@ class _DeepepV2Manager(_DispatchManager):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.dispatch_config = dispatch_config_for(config)
         self.dispatcher = ops.bind(self.dispatch_config, group, num_experts)
-        #: Megatron's name and meaning (HybridEP's manager): None = dropless. Megatron's over-budget rerun sets it to
-        #: None for the rerun and restores it from the config; read at every dispatch.
+        #: None = dropless. Read at every dispatch: Megatron's over-budget rerun sets it to None, then restores it.
         self.moe_expert_rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
-        # Megatron's budget hooks look for `over_budget` with hasattr: it and `dropped_rows` exist only with a bound,
-        # from its first dispatch on.
         self._bound_slot: Optional[_BoundSlot] = None
-
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
         self.handle: Optional[DispatchHandle] = None
@@ -128,15 +96,11 @@ class _DeepepV2Manager(_DispatchManager):
         self.tokens_per_expert: Optional[torch.Tensor] = None
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
-        """Turns the router's ``[T, E]`` probabilities into ``[T, K]`` expert ids and their probabilities.
-
-        The ids are ``torch.topk`` indices over the experts, so each is in ``[0, E)`` and no row names an expert
-        twice, by construction: this layer's dispatch configuration therefore skips the expert-id check (the
-        ``validate`` setting runs it all the same). With a capacity factor, selections the router dropped (prob 0)
-        become ``-1``, as in Megatron's DeepEP manager.
+        """Sets ``token_indices`` (``torch.topk`` ids: in ``[0, E)``, distinct within a row) and ``token_probs``, both
+        ``[T, K]``; with a capacity factor, selections the router dropped (prob 0) get id ``-1``.
 
         Args:
-            routing_map: ``[T, E]`` (or reshapeable) bool map of the selected experts (only its token count is used).
+            routing_map: ``[T, E]`` (or reshapeable) bool map of the selected experts; only its token count is read.
             probs: ``[T, E]`` (or reshapeable) routing probabilities, zero where not selected.
         """
         num_tokens = routing_map.shape[0]
@@ -145,22 +109,14 @@ class _DeepepV2Manager(_DispatchManager):
         if self.capacity_factor is not None:
             self.token_indices = self.token_indices.masked_fill(self.token_probs == 0, -1)
 
-    def dispatch(
-        self,
-        hidden_states: torch.Tensor,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ) -> torch.Tensor:
-        """Sends tokens to their experts' ranks; keeps the routing for the later stages.
+    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Returns the ``[N, H]`` rows this rank's experts receive, in the expand layout (``N`` at most
+        :meth:`receive_bound` with a bound); keeps the routing for the later stages.
 
         Args:
             hidden_states: ``[T, H]`` tokens.
-            async_finish: Megatron's flag. Every call here is synchronous (:data:`~megatron_deepepv2.backends.base.
-                SYNC`), which orders the streams as the asynchronous call followed by Megatron's wait does.
-            allocate_on_comm_stream: Megatron's flag; see ``async_finish``.
-
-        Returns:
-            ``[N, H]`` received rows in the expand layout (``N``: the bound, with a receive bound).
+            async_finish, allocate_on_comm_stream: Unused: every call is synchronous (``backends.base.SYNC``).
         """
         global _warned_low_precision_probs
         if self.token_probs.dtype != torch.float32:
@@ -180,37 +136,23 @@ class _DeepepV2Manager(_DispatchManager):
         return recv_x
 
     def receive_bound(self, handle: DispatchHandle) -> int:
-        """Rows the experts receive at most under ``moe_expert_rank_capacity_factor``: HybridEP's budget.
-
-        ``align(int(T * K * factor), alignment)``, never more than the dispatch's rows: ``T`` is the tokens this rank
-        dispatched (``handle.num_tokens``), ``K`` the top-k over the TPxEP group (``tp x moe_router_topk``, the
-        selections each token sends; HybridEP's formula reads ``moe_router_topk``, the same at expert TP 1) and the
-        alignment the experts' (``get_align_size_for_quantization``, at least 1). The expert blocks' padding counts
-        against the budget, as in HybridEP's permuted buffer. Static for a given token count, so a CUDA graph sees
-        fixed shapes.
+        """Returns the rows the experts receive at most under ``moe_expert_rank_capacity_factor``, HybridEP's budget
+        (padding counts against it): ``align(int(T * K * factor), alignment)`` for ``T = handle.num_tokens`` and ``K =
+        router_topk``, at most ``handle.num_recv_rows``.
 
         Args:
             handle: The dispatch's handle.
-
-        Returns:
-            The bound, in rows.
         """
         bound = receive_bound_rows(handle.num_tokens, self.router_topk, self.moe_expert_rank_capacity_factor,
                                    self.dispatch_config.expert_alignment)
         return min(bound, handle.num_recv_rows)
 
     def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Hands the experts a copy of the first :meth:`receive_bound` rows; rows past it are dropped and counted.
-
-        A dropped row's expert output is zero (it contributes nothing to its token, as a capacity drop) and its
-        probability gets no gradient. ``dropped_rows`` accumulates the dropped selections -- rows past the bound with
-        a nonzero probability (padding rows have probability zero; so would a selection the router gave exactly
-        zero) -- and ``over_budget`` turns True, both on the device, until ``reset_over_budget``; without host sync
-        nothing here reads the device (the count is two small kernels over the dropped rows' probabilities).
-        """
+        """A copy of the first :meth:`receive_bound` rows for the experts. Selections past it (rows with a nonzero
+        prob) are added to ``dropped_rows`` and set ``over_budget``, on the device, without a host sync."""
         bound = self.receive_bound(handle)
         device = recv_x.device
-        if not hasattr(self, "over_budget"):
+        if not hasattr(self, "over_budget"):  # made lazily: Megatron's budget hooks test hasattr
             self.over_budget = torch.zeros(1, dtype=torch.bool, device=device)
             self.dropped_rows = torch.zeros(1, dtype=torch.int64, device=device)
         num_rows = handle.num_recv_rows
@@ -231,52 +173,39 @@ class _DeepepV2Manager(_DispatchManager):
         return kept_x
 
     def reset_over_budget(self) -> None:
-        """Clears ``over_budget`` and ``dropped_rows`` (Megatron's ``reset_over_budget`` of the dispatcher calls it)."""
+        """Clears ``over_budget`` and ``dropped_rows``, if a bound made them."""
         if hasattr(self, "over_budget"):
             self.over_budget.fill_(False)
             self.dropped_rows.zero_()
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
-        """Returns ``(rows grouped by local expert, their probs)``: the dispatch output already is that layout
-        (padding rows and probs are zero)."""
+        """Returns ``(hidden_states, probs)``: already grouped by local expert (probs float64 for an fp64 router)."""
         probs = self.dispatched_probs
         if self.router_dtype == "fp64":
             probs = probs.to(torch.float64)
         return hidden_states, probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`get_permuted_hidden_states_by_experts`: an identity, but after a receive bound, which
-        dropped rows: the experts' rows go back into the dispatch's worst-case tensor, zero past the bound, so combine
-        sees the dispatch's row count (no new worst-case tensor: see :class:`_RestoreRows`)."""
+        """Returns combine's input: ``hidden_states``, or with a receive bound ``[N, H]``, zero past the bound."""
         if self._bound_slot is not None:
             hidden_states = _RestoreRows.apply(hidden_states, self._bound_slot)
         return hidden_states
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        """Rows per local expert (alignment-padded for expand): int64, on the CPU, or on the device
-        without host sync."""
+        """Rows per local expert, padding included: int64, on the CPU, or on the device without host sync."""
         return self.tokens_per_expert
 
-    def combine(
-        self,
-        hidden_states: torch.Tensor,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ) -> torch.Tensor:
-        """Sums every token's expert outputs back on its rank and releases the routing state (the router's probs too:
-        they hold the step's autograd graph, which a later CUDA-graph capture must not see).
+    def combine(self, hidden_states: torch.Tensor, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Returns ``[T, H]``: each token's expert outputs summed back on its rank. Releases the routing state.
 
         Args:
             hidden_states: Expert outputs in the dispatch's receive layout.
-            async_finish: Megatron's flag; see :meth:`dispatch`.
-            allocate_on_comm_stream: Megatron's flag; see :meth:`dispatch`.
-
-        Returns:
-            ``[T, H]`` combined tokens.
+            async_finish, allocate_on_comm_stream: Unused; see :meth:`dispatch`.
         """
         combined = ops.CombineFunction.apply(hidden_states, self.handle, SYNC)
         self.token_indices = None
-        self.token_probs = None
+        self.token_probs = None  # holds the step's autograd graph: a later CUDA-graph capture must not see it
         self.handle = None
         self.dispatched_indices = None
         self.dispatched_probs = None
@@ -285,15 +214,7 @@ class _DeepepV2Manager(_DispatchManager):
 
 
 class _BoundSlot:
-    """One bounded dispatch's worst-case tensors, handed from :class:`_KeepRows` to :class:`_RestoreRows` in forward
-    and back in backward (each call its own slot: micro-batches in flight do not share one).
-
-    Attributes:
-        bound: Rows the experts keep.
-        num_rows: Rows of the dispatch (its worst case without host sync).
-        buffer: Forward: the dispatch's worst-case receive (detached) until the restore reuses it.
-        grad: Backward: the combine backward's worst-case gradient, for the dispatch backward to reuse.
-    """
+    """One bounded dispatch's worst-case ``buffer``, for :class:`_RestoreRows`, and ``grad``, for :class:`_KeepRows`."""
 
     __slots__ = ("bound", "num_rows", "buffer", "grad")
 
@@ -305,8 +226,7 @@ class _BoundSlot:
 
 
 def _only_holder(tensor: torch.Tensor) -> bool:
-    """Whether nothing but ``tensor`` (and its base, if it is a view) holds its storage: no other tensor or view of
-    it is alive anywhere. A host-side count; False where this PyTorch cannot count."""
+    """Whether no other tensor or view holds ``tensor``'s storage; False where this PyTorch cannot count."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return False
@@ -316,13 +236,9 @@ def _only_holder(tensor: torch.Tensor) -> bool:
 
 
 class _KeepRows(torch.autograd.Function):
-    """Forward: copies of the first ``slot.bound`` received rows and probabilities, what the experts keep for
-    backward; the worst-case receive goes into ``slot.buffer`` for :class:`_RestoreRows` (and is freed after it).
-
-    Backward: the worst-case gradient the dispatch backward reads, the kept rows' gradients and zeros past the
-    bound. It is the combine backward's gradient that :class:`_RestoreRows` left in the slot when no view of it is
-    still alive (the experts' backward is done; a delayed weight gradient may still hold one), else a new tensor.
-    """
+    """Forward: copies of the first ``slot.bound`` rows and probs, which the experts save for backward; the receive
+    goes to ``slot.buffer``. Backward: the worst-case gradient, zero past the bound, in ``slot.grad`` when nothing
+    else holds that (a delayed weight gradient may), else in a new tensor."""
 
     @staticmethod
     def forward(ctx: Any, recv_x: torch.Tensor, probs: torch.Tensor, slot: _BoundSlot):  # type: ignore[override]
@@ -353,17 +269,15 @@ class _KeepRows(torch.autograd.Function):
 
 
 class _RestoreRows(torch.autograd.Function):
-    """Forward: the experts' ``[bound, H]`` output written into the dispatch's worst-case receive (which nothing reads
-    any more), zeros past the bound: combine's input, without a new worst-case tensor. Backward: the combine
-    backward's gradient of the kept rows (a view), the whole gradient left in the slot for :class:`_KeepRows`."""
+    """Forward: the experts' ``[bound, H]`` output written into the dispatch's receive (nothing reads it any more),
+    zeros past the bound. Backward: the kept rows' gradient (a view); the whole one is left in the slot."""
 
     @staticmethod
     def forward(ctx: Any, expert_out: torch.Tensor, slot: _BoundSlot):  # type: ignore[override]
         buffer, bound = slot.buffer, slot.bound
         slot.buffer = None
         if buffer is None or buffer.dtype != expert_out.dtype or buffer.shape[1] != expert_out.shape[1]:
-            # Restored twice, or the experts changed the dtype or width: a new tensor, as a pad would make.
-            buffer = expert_out.new_empty((slot.num_rows, expert_out.shape[1]))
+            buffer = expert_out.new_empty((slot.num_rows, expert_out.shape[1]))  # restored twice, or new dtype/width
         buffer[:bound].copy_(expert_out)
         buffer[bound:].zero_()
         ctx.slot = slot

@@ -1,12 +1,8 @@
-"""DeepEP v2 adapter: the backend contract over DeepEP's expert-parallel buffer, both lines.
+"""DeepEP v2 backend: the backend contract over ``deep_ep``'s ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1).
 
-It drives the buffer ``deep_ep`` has -- ``EPBuffer`` (V2.5) first, else ``ElasticBuffer`` (2.1), see
-:mod:`megatron_deepepv2.deepep_lines` -- and :class:`_LineCalls` holds what differs between the lines. Each call is one
-DeepEP call whose keyword arguments are translated from the :class:`~megatron_deepepv2.backends.base.DispatchConfig`
-once per (call kind, configuration, expert count, stream mode) in :meth:`DeepEPBackend._kwargs`, the one place a
-setting becomes a DeepEP argument (the buffer's construction arguments: :meth:`DeepEPBackend.__init__`). DeepEP's
-tensors come back as they are; counts are derived only when asked for. ``deep_ep`` is imported lazily:
-:meth:`DeepEPBackend.unavailable_reason` says what is missing.
+:class:`_LineCalls` holds what differs between the two lines; :meth:`DeepEPBackend._kwargs` is the one place a
+setting becomes a DeepEP call argument (the buffer's construction arguments: :meth:`DeepEPBackend.__init__`).
+``deep_ep`` is imported when a backend is built; :meth:`DeepEPBackend.unavailable_reason` says what is missing.
 """
 
 from __future__ import annotations
@@ -20,25 +16,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2._dist import collective_device
-from megatron_deepepv2.backends.base import (
-    SYNC,
-    BackendLimits,
-    BufferSpec,
-    CombineOutput,
-    DispatchBackend,
-    DispatchConfig,
-    DispatchHandle,
-    DispatchResult,
-    Streams,
-)
-from megatron_deepepv2.deepep_lines import (
-    DEEPEP_2_1,
-    DEEPEP_2_5,
-    DeepEPLine,
-    deepep_unavailable_reason,
-    import_deep_ep,
-    line_of_module,
-)
+from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
+                                             DispatchConfig, DispatchHandle, DispatchResult, Streams)
+from megatron_deepepv2.deepep_lines import (DEEPEP_2_1, DEEPEP_2_5, DeepEPLine, deepep_unavailable_reason,
+                                            import_deep_ep, line_of_module)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up
 from megatron_deepepv2.sizing import buffer_size_arguments
 from megatron_deepepv2.topology import choose_hybrid_mode
@@ -48,15 +29,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _LineCalls:
-    """How one DeepEP line differs in the calls this backend makes.
-
-    Attributes:
-        line: The line.
-        dispatch_kwargs: Extra keyword arguments of every dispatch.
-        even_num_sms: The line rounds an explicit SM count up to even.
-        keeps_topk_idx: The line's handle keeps the caller's ``topk_idx`` rather than a copy (the backend passes a
-            copy: Megatron refills one static tensor on every CUDA-graph replay before a pending backward reads it).
-    """
+    """How one DeepEP ``line`` differs in this backend's calls: ``dispatch_kwargs`` go to every dispatch;
+    ``even_num_sms``: an explicit SM count is rounded up to even; ``keeps_topk_idx``: the handle keeps the caller's
+    ``topk_idx``, not a copy."""
 
     line: DeepEPLine
     dispatch_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -76,14 +51,8 @@ _LINE_CALLS = {
 
 
 def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
-    """Makes PyTorch create the NCCL communicator of ``group`` now.
-
-    DeepEP reuses PyTorch's communicator (``EP_REUSE_NCCL_COMM=1``, its default) and segfaults on the null
-    pointer of a lazy one. One tiny all-reduce on a CUDA tensor forces its creation.
-
-    Args:
-        group: The expert-parallel process group (NCCL in production).
-    """
+    """Makes PyTorch create the NCCL communicator of ``group`` (the expert-parallel group) now, by one all-reduce:
+    DeepEP reuses it (``EP_REUSE_NCCL_COMM=1``, its default) and segfaults on the null pointer of a lazy one."""
     probe = torch.zeros(1, device=collective_device(group))
     dist.all_reduce(probe, group=group)
 
@@ -103,14 +72,13 @@ _FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
 
 
 def _fill_guard() -> contextlib.AbstractContextManager:
-    """What every DeepEP call runs in: the fill off while torch's deterministic algorithms are on (DeepEP asserts
-    that the two are not both on: the fill kernels of ``torch.empty`` could overlap its communication; nothing here
-    reads uninitialised rows). With them off the flag does nothing, and nothing is changed."""
+    """The context of every DeepEP call: the fill off while deterministic algorithms are on, as DeepEP asserts (the
+    fill kernels could overlap its communication; nothing here reads uninitialised rows); else nothing."""
     return _FILL_OFF if torch.are_deterministic_algorithms_enabled() else _NO_GUARD
 
 
 class DeepEPBackend(DispatchBackend):
-    """Dispatch/combine with DeepEP v2's buffer: ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1); NVLink / NCCL GIN.
+    """Dispatch/combine over DeepEP v2's buffer (NVLink; NCCL GIN across nodes).
 
     Args:
         group: NCCL process group of the expert-parallel ranks.
@@ -119,13 +87,10 @@ class DeepEPBackend(DispatchBackend):
 
     name: ClassVar[str] = "deepep"
     limits: ClassVar[BackendLimits] = BackendLimits(
-        dispatch_dtypes=(torch.bfloat16,),
-        combine_dtypes=(torch.bfloat16,),
+        dispatch_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,),
         combine_hidden_multiple=256,  # combine kernel static assert kHidden % 256
-        fp8_hidden_multiple=32,  # TMA: hidden bytes % 32
-        max_topk=32,
-        requires_cuda=True,
-    )
+        fp8_hidden_multiple=32, max_topk=32, requires_cuda=True,  # FP8: TMA needs hidden bytes % 32
+        deterministic_without_host_sync=False)  # DeepEP 2.1's deterministic sort reads boolean masks on the host
 
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
         super().__init__(group, spec)
@@ -136,21 +101,15 @@ class DeepEPBackend(DispatchBackend):
         if self.num_sms != settings.num_sms:
             logger.info("DeepEP %s runs an even number of SMs: %d SMs asked, %d used", self.line_calls.line.name,
                         settings.num_sms, self.num_sms)
-        #: DeepEP's keyword arguments per (call kind, configuration, expert count, stream mode), built on first use.
-        self._call_kwargs: dict[tuple, dict[str, Any]] = {}
-        ensure_nccl_communicator(group)
-        # Hybrid only when the group's ranks span nodes (one gather of node identities per group), unless set.
+        self._call_kwargs: dict[tuple, dict[str, Any]] = {}  # see _kwargs
+        ensure_nccl_communicator(group)  # before DeepEP reads it
         allow_hybrid, why = choose_hybrid_mode(group, settings.allow_hybrid_mode)
         buffer_class = getattr(deep_ep, self.line_calls.line.buffer_class)
+        # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
         self.buffer = buffer_class(
-            group,
-            # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
-            **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
-            deterministic=settings.deterministic,
-            allow_hybrid_mode=allow_hybrid,
-            allow_multiple_reduction=True,  # expand combine with weights needs it
-            explicitly_destroy=True,
-        )
+            group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
+            deterministic=settings.deterministic, allow_hybrid_mode=allow_hybrid,
+            allow_multiple_reduction=True, explicitly_destroy=True)  # multiple reduction: expand combine with weights
         logger.info("DeepEP %s %s: %s mode (%s)", self.line_calls.line.name, self.line_calls.line.buffer_class,
                     "hybrid (RDMA x NVLink)" if allow_hybrid else "direct", why)
 
@@ -160,16 +119,11 @@ class DeepEPBackend(DispatchBackend):
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        # Cached: availability does not change within a process, and the probes (import, NCCL query) are slow.
-        return deepep_unavailable_reason()
+        return deepep_unavailable_reason()  # cached: the probes (import, NCCL query) are slow
 
     def _kwargs(self, kind: str, config: DispatchConfig, num_experts: int, streams: Streams) -> dict[str, Any]:
-        """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once.
-
-        NOTES: ``previous_event`` goes only with ``allocate_on_comm_stream``, and outputs go on the communication
-        stream only in async mode, the one mode where DeepEP ``record_stream``-s them; cached dispatch and combine take
-        ``num_sms`` from the handle (``0`` with a handle raises).
-        """
+        """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once per key.
+        Outputs go on the communication stream only in async mode, the one where DeepEP ``record_stream``-s them."""
         key = (kind, config, num_experts, streams)
         kwargs = self._call_kwargs.get(key)
         if kwargs is not None:
@@ -194,8 +148,8 @@ class DeepEPBackend(DispatchBackend):
 
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                  config: DispatchConfig, num_experts: int, streams: Streams = SYNC) -> DispatchResult:
-        if self.line_calls.keeps_topk_idx:
-            topk_idx = topk_idx.clone()  # see _LineCalls.keeps_topk_idx
+        if self.line_calls.keeps_topk_idx:  # Megatron refills it on CUDA-graph replay, before a pending backward
+            topk_idx = topk_idx.clone()
         with _fill_guard():
             recv_x, recv_idx, recv_weights, native, event = self.buffer.dispatch(
                 x, topk_idx=topk_idx, topk_weights=topk_weights, previous_event=self._previous_event(streams),
@@ -209,7 +163,7 @@ class DeepEPBackend(DispatchBackend):
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                         streams: Streams = SYNC) -> DispatchResult:
         native = handle.native
-        with _fill_guard():
+        with _fill_guard():  # num_sms from the handle: DeepEP raises on 0 with a handle
             recv_x, recv_idx, recv_weights, _, event = self.buffer.dispatch(
                 x, topk_weights=topk_weights, handle=native, num_sms=native.num_sms,
                 previous_event=self._previous_event(streams), **self._kwargs("cached", handle.config, 0, streams))
@@ -221,7 +175,7 @@ class DeepEPBackend(DispatchBackend):
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 streams: Streams = SYNC) -> CombineOutput:
         native = handle.native
-        with _fill_guard():
+        with _fill_guard():  # num_sms from the handle, as in cached_dispatch
             combined, combined_weights, event = self.buffer.combine(
                 x, native, topk_weights=topk_weights, num_sms=native.num_sms,
                 previous_event=self._previous_event(streams), **self._kwargs("combine", handle.config, 0, streams))
@@ -230,10 +184,8 @@ class DeepEPBackend(DispatchBackend):
         return CombineOutput(combined, combined_weights)
 
     def device_counts(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
-        """From DeepEP's prefix sums, on the device (a host list copied up would block the host until the epilogue
-        finished). ``psum_num_recv_tokens_per_expert`` holds, compact: the inclusive prefix sum of the aligned
-        counts; expand: the aligned start of expert ``i`` plus its unaligned count, so its align-up is the aligned
-        end of the block."""
+        """From DeepEP's prefix sums, without a host sync. ``psum_num_recv_tokens_per_expert`` is, compact, the
+        inclusive prefix sum of the aligned counts; expand, the aligned start of each block plus its unaligned count."""
         config, native = handle.config, handle.native
         ends = native.psum_num_recv_tokens_per_expert.to(torch.int64)
         if config.layout is ExpertLayout.EXPAND:
