@@ -1,18 +1,9 @@
-"""Differentiable dispatch and combine: a layer's bound :class:`Dispatcher` and one autograd Function per op.
+"""Differentiable dispatch and combine: :func:`resolve_config`, the bound :class:`Dispatcher` and one autograd Function
+per op (dispatch: backward is a combine of the gradient; combine: backward is a cached dispatch of the gradient).
 
-========  ==============================  =====================================
-op        forward                         backward
-========  ==============================  =====================================
-dispatch  backend dispatch                combine of the gradient, weights alongside
-combine   backend combine                 cached dispatch of the gradient
-========  ==============================  =====================================
-
-A :class:`~megatron_deepepv2.backends.base.DispatchConfig` is resolved once (:func:`resolve_config`) and bound once per
-process group and expert count (:func:`bind`); the :class:`Dispatcher` keeps the input signature whose static checks
-passed and asks :mod:`megatron_deepepv2.buffers` for its buffer. Callers -- the Megatron manager and the public
-:func:`dispatch` / :func:`combine` -- call :class:`DispatchFunction` and :class:`CombineFunction` directly, so a call
-reaches the backend through three frames of this package. Every path that communicates passes its errors through
-:func:`~megatron_deepepv2.failures.peer_failure`: a peer raises naming the rank that failed first and its error.
+Callers -- the Megatron manager and :func:`dispatch` / :func:`combine` -- call :class:`DispatchFunction` and
+:class:`CombineFunction`, which call the backend. Every path that communicates passes its errors through
+:func:`~megatron_deepepv2.failures.peer_failure`, so a peer raises naming the rank that failed first.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2 import buffers, expert_kernels, fp8, validation
+from megatron_deepepv2 import buffers, expert_ids, expert_kernels, fp8, validation
 from megatron_deepepv2._dist import group_size
 from megatron_deepepv2.backends import (
     SYNC,
@@ -85,7 +76,7 @@ _dispatchers: dict[tuple, "Dispatcher"] = {}
 
 
 def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> "Dispatcher":
-    """The :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, bound on first use.
+    """The :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
@@ -98,7 +89,7 @@ def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> 
 
 
 class Dispatcher:
-    """One configuration's dispatches on one group: what is checked once and the buffer spec it leases with.
+    """One configuration's dispatches on one group: the checks that passed and the buffer spec it leases with.
 
     Args:
         config: The configuration.
@@ -134,8 +125,7 @@ class Dispatcher:
         signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
         limit = settings.num_max_tokens_per_rank
         problem = None
-        # The static checks depend on the signature and on T only through integer compares (every input has T rows,
-        # T within the configured limit), made here and in _static_signature.
+        # The static checks depend on T only through integer compares, made here and in _static_signature.
         if (signature is None or signature != self._signature or settings.validate
                 or (limit is not None and num_tokens > limit)):
             problem = validation.check_dispatch_inputs(
@@ -148,11 +138,11 @@ class Dispatcher:
             raise validation.host_sync_capture_problem()
         if problem is None and settings.check_ids and not settings.validate:
             if not settings.host_sync:  # nothing may read the device: a device-side assert
-                validation.assert_expert_ids_on_device(topk_idx, self.num_experts, group)
+                expert_ids.assert_expert_ids_on_device(topk_idx, self.num_experts, group)
             elif on_cuda:  # the dispatch waits on the host anyway: one 4-byte read, a ValueError naming the token
-                problem = validation.check_expert_ids_with_flag(topk_idx, self.num_experts)
+                problem = expert_ids.check_expert_ids_with_flag(topk_idx, self.num_experts)
             else:
-                problem = validation.check_expert_ids(topk_idx, self.num_experts)
+                problem = expert_ids.check_expert_ids(topk_idx, self.num_experts)
         data = x[0] if type(x) is tuple else x
         if settings.validate:  # every rank sends the same fields; one with a problem sends zeros
             alike = (validation.dtype_code(data.dtype), data.shape[1], topk_idx.shape[1],
@@ -171,11 +161,8 @@ class Dispatcher:
 
 
 def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optional[tuple], int]:
-    """What the static checks of a dispatch depend on but its token count, and that count ``T``.
-
-    The signature holds the types, dtypes, devices and trailing shapes of the inputs; it is None, so that the checks
-    run and say what is wrong, when the inputs are not tensors or their row counts differ.
-    """
+    """What the static checks of a dispatch depend on but its token count ``T`` (types, dtypes, devices, trailing
+    shapes), and ``T``; None when the inputs are not tensors or their row counts differ (the checks then say why)."""
     try:
         if type(x) is tuple:
             if len(x) != 2:
@@ -344,10 +331,9 @@ def dispatch(
             are resolved (once per distinct value).
         async_finish: Run the communication asynchronously (the op still orders the current stream after it).
         allocate_on_comm_stream: Allocate outputs on the communication stream (DeepEP, with ``async_finish``).
-        **settings: What :func:`resolve_config` takes (``layout="expand"``, ``expert_alignment``, ``host_sync``,
-            ``backend``, ``num_max_tokens_per_rank``, ``fp8_dispatch``, ...). ``host_sync=False``: worst-case sizes,
-            valid rows first, counts on the device, no device-to-host copy in forward or backward (CUDA-graph
-            capturable once the buffer exists); rows past ``handle.num_valid_rows`` have expert id -1 and weight 0.
+        **settings: What :func:`resolve_config` takes (``layout="expand"``, ``expert_alignment``, ``host_sync``, ...).
+            ``host_sync=False``: worst-case sizes, counts on the device, no device-to-host copy in forward or
+            backward; rows past ``handle.num_valid_rows`` have expert id -1 and weight 0.
 
     Returns:
         The received rows, routing and the handle.
@@ -385,8 +371,7 @@ def dispatch(
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
 
 
-#: Configurations resolved for dispatch() calls without ``config=``, per settings, under the settings object they
-#: were resolved with (configure() replaces that object, which empties the cache).
+#: Configurations of dispatch() calls without ``config=``, per arguments, under the settings they were resolved with.
 _resolved: dict[frozenset, DispatchConfig] = {}
 _resolved_under: list = [None]
 

@@ -5,7 +5,7 @@ Times, per routing shape (tokens per rank, experts, top-k), the checks a dispatc
 static checks (:func:`megatron_deepepv2.validation.check_dispatch_inputs`, host only; a layer runs them at its first
 call and whenever its inputs' types, dtypes, devices or trailing shapes change, so counting them per dispatch, as the
 totals here do, is an upper bound) and the device-side expert-id check
-(:func:`megatron_deepepv2.validation.assert_expert_ids_on_device`: one Triton kernel and a device-side assert), and,
+(:func:`megatron_deepepv2.expert_ids.assert_expert_ids_on_device`: one Triton kernel and a device-side assert), and,
 for comparison, the host-synchronising check of the ``validate`` setting. Device time is the median over
 CUDA-event-timed batches of calls; host time is the wall time per call with the GPU kept busy, so that it measures
 launching, not waiting. Each cost is stated against a reference dispatch + combine time (``--reference-us``, default:
@@ -79,8 +79,9 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from megatron_deepepv2.backends import DeepEPBackend
-    from megatron_deepepv2 import validation
-    from megatron_deepepv2.validation import assert_expert_ids_on_device, check_dispatch_inputs, check_expert_ids
+    from megatron_deepepv2 import expert_ids
+    from megatron_deepepv2.expert_ids import assert_expert_ids_on_device, check_expert_ids
+    from megatron_deepepv2.validation import check_dispatch_inputs
 
     rows = []
     hidden = 4096
@@ -99,7 +100,7 @@ def measure(args: argparse.Namespace) -> dict:
             check_expert_ids(idx, num_experts)
 
         def kernel_only():
-            validation.clear_flag_on_bad_ids(idx, num_experts, ok)
+            expert_ids.clear_flag_on_bad_ids(idx, num_experts, ok)
 
         def assert_only():
             torch._assert_async(ok, "bench")
@@ -108,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict:
         if problem is not None:  # the checks would stop at it instead of running to the end
             raise RuntimeError(f"The benchmark's own inputs fail the static checks: {problem}")
         device_check()  # creates the per-device flag the parts below use
-        ok = validation._ok_flags[idx.device]
+        ok = expert_ids._ok_flags[idx.device]
         for fn in (static_checks, device_check, host_check, kernel_only, assert_only):
             fn()
         torch.cuda.synchronize()

@@ -347,7 +347,7 @@ def test_ranks_with_unlike_buffers_raise_naming_them_at_default_settings(field: 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device-side id check)")
 _BAD_ID_SCRIPT = """
 import sys, torch
-from megatron_deepepv2.validation import assert_expert_ids_on_device
+from megatron_deepepv2.expert_ids import assert_expert_ids_on_device
 idx = torch.tensor([[0, 1], [2, 3], [4, 5]], device="cuda")
 case = sys.argv[1]
 if case == "too_large":
@@ -378,7 +378,7 @@ def test_device_side_id_check_stops_the_process_on_bad_ids(case: str) -> None:
 
 @needs_cuda
 def test_device_side_id_check_passes_every_valid_routing_without_a_host_sync() -> None:
-    from megatron_deepepv2.validation import assert_expert_ids_on_device
+    from megatron_deepepv2.expert_ids import assert_expert_ids_on_device
 
     gen = torch.Generator().manual_seed(0)
     for num_tokens, num_experts, top_k in [(1, 8, 1), (4096, 256, 8), (777, 64, 6), (3, 32, 32)]:
@@ -405,7 +405,7 @@ def test_device_side_id_check_passes_every_valid_routing_without_a_host_sync() -
 def test_host_sync_id_check_on_cuda_raises_a_value_error_and_the_process_goes_on(case: str) -> None:
     """With host sync the CUDA check reads its flag: a ValueError naming the token, no device assert, and the next
     check (of good ids) passes -- the flag was reset."""
-    from megatron_deepepv2.validation import check_expert_ids_with_flag
+    from megatron_deepepv2.expert_ids import check_expert_ids_with_flag
 
     idx = torch.tensor([[0, 1], [2, 3], [4, 5]], device="cuda")
     bad = idx.clone()
