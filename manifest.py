@@ -74,7 +74,8 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="megatron_manager",
-        sources=("megatron_deepepv2/manager.py", "megatron_deepepv2/integration.py"),
+        sources=("megatron_deepepv2/manager.py", "megatron_deepepv2/bounded_receive.py",
+                 "megatron_deepepv2/integration.py"),
         tests=_REPLAY_TESTS,
         kind="dispatch",
         notes="MoELayer with deepepv2 (expand and compact) replayed bit-exactly.",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from megatron_deepepv2 import ops, validation
+from megatron_deepepv2 import bounded_receive, ops, validation
 from megatron_deepepv2.backends import SYNC, DispatchConfig, DispatchHandle, ExpertLayout
 from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.layout import receive_bound_rows
@@ -87,7 +87,7 @@ class _DeepepV2Manager(_DispatchManager):
         self.dispatcher = ops.bind(self.dispatch_config, group, num_experts)
         #: None = dropless. Read at every dispatch: Megatron's over-budget rerun sets it to None, then restores it.
         self.moe_expert_rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
-        self._bound_slot: Optional[_BoundSlot] = None
+        self._bound_slot: Optional[bounded_receive.BoundSlot] = None
         self.token_indices: Optional[torch.Tensor] = None
         self.token_probs: Optional[torch.Tensor] = None
         self.handle: Optional[DispatchHandle] = None
@@ -168,8 +168,8 @@ class _DeepepV2Manager(_DispatchManager):
         dropped = selected.sum().to(device=device, dtype=torch.int64).reshape(1)
         self.dropped_rows += dropped
         self.over_budget |= dropped > 0
-        slot = self._bound_slot = _BoundSlot(bound, num_rows)
-        kept_x, self.dispatched_probs = _KeepRows.apply(recv_x, self.dispatched_probs, slot)
+        slot = self._bound_slot = bounded_receive.BoundSlot(bound, num_rows)
+        kept_x, self.dispatched_probs = bounded_receive.KeepRows.apply(recv_x, self.dispatched_probs, slot)
         return kept_x
 
     def reset_over_budget(self) -> None:
@@ -188,7 +188,7 @@ class _DeepepV2Manager(_DispatchManager):
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Returns combine's input: ``hidden_states``, or with a receive bound ``[N, H]``, zero past the bound."""
         if self._bound_slot is not None:
-            hidden_states = _RestoreRows.apply(hidden_states, self._bound_slot)
+            hidden_states = bounded_receive.RestoreRows.apply(hidden_states, self._bound_slot)
         return hidden_states
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
@@ -211,80 +211,3 @@ class _DeepepV2Manager(_DispatchManager):
         self.dispatched_probs = None
         self._bound_slot = None
         return combined
-
-
-class _BoundSlot:
-    """One bounded dispatch's worst-case ``buffer``, for :class:`_RestoreRows`, and ``grad``, for :class:`_KeepRows`."""
-
-    __slots__ = ("bound", "num_rows", "buffer", "grad")
-
-    def __init__(self, bound: int, num_rows: int) -> None:
-        self.bound = bound
-        self.num_rows = num_rows
-        self.buffer: Optional[torch.Tensor] = None
-        self.grad: Optional[torch.Tensor] = None
-
-
-def _only_holder(tensor: torch.Tensor) -> bool:
-    """Whether no other tensor or view holds ``tensor``'s storage; False where this PyTorch cannot count."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    storage = tensor.untyped_storage()
-    # Holders: ``tensor``, the ``storage`` object just made, and the base a view keeps alive.
-    return use_count(storage._cdata) == 2 + (tensor._base is not None)
-
-
-class _KeepRows(torch.autograd.Function):
-    """Forward: copies of the first ``slot.bound`` rows and probs, which the experts save for backward; the receive
-    goes to ``slot.buffer``. Backward: the worst-case gradient, zero past the bound, in ``slot.grad`` when nothing
-    else holds that (a delayed weight gradient may), else in a new tensor."""
-
-    @staticmethod
-    def forward(ctx: Any, recv_x: torch.Tensor, probs: torch.Tensor, slot: _BoundSlot):  # type: ignore[override]
-        bound = slot.bound
-        slot.buffer = recv_x.detach()
-        ctx.slot = slot
-        ctx.set_materialize_grads(False)
-        return recv_x[:bound].clone(), probs[:bound].clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad_x: Optional[torch.Tensor], grad_probs: Optional[torch.Tensor]):
-        slot: _BoundSlot = ctx.slot
-        bound, num_rows = slot.bound, slot.num_rows
-        full_x = slot.grad
-        slot.grad = None
-        if grad_x is not None:
-            if full_x is None or full_x.dtype != grad_x.dtype or not _only_holder(full_x):
-                full_x = grad_x.new_empty((num_rows, grad_x.shape[1]))
-            full_x[:bound].copy_(grad_x)
-            full_x[bound:].zero_()
-        else:
-            full_x = None
-        full_probs = None
-        if grad_probs is not None:  # 1-D, 4 bytes a row: a new tensor costs little
-            full_probs = grad_probs.new_zeros((num_rows,))
-            full_probs[:bound].copy_(grad_probs)
-        return full_x, full_probs, None
-
-
-class _RestoreRows(torch.autograd.Function):
-    """Forward: the experts' ``[bound, H]`` output written into the dispatch's receive (nothing reads it any more),
-    zeros past the bound. Backward: the kept rows' gradient (a view); the whole one is left in the slot."""
-
-    @staticmethod
-    def forward(ctx: Any, expert_out: torch.Tensor, slot: _BoundSlot):  # type: ignore[override]
-        buffer, bound = slot.buffer, slot.bound
-        slot.buffer = None
-        if buffer is None or buffer.dtype != expert_out.dtype or buffer.shape[1] != expert_out.shape[1]:
-            buffer = expert_out.new_empty((slot.num_rows, expert_out.shape[1]))  # restored twice, or new dtype/width
-        buffer[:bound].copy_(expert_out)
-        buffer[bound:].zero_()
-        ctx.slot = slot
-        return buffer
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        slot: _BoundSlot = ctx.slot
-        slot.grad = grad
-        return grad[:slot.bound], None
