@@ -57,7 +57,7 @@ def test_dispatcher_ops_replay_bit_exact(layout: str) -> None:
     run_distributed(_ops_replays, 4, layout)
 
 
-def _replay_moe_layer(rank: int, layout: str, capacity_factor, extra: Optional[dict] = None):
+def _replay_moe_layer(rank: int, capacity_factor, extra: Optional[dict] = None):
     """Builds a deepepv2 MoELayer, asserts 3 bit-exact replays of forward + backward; returns the layer."""
     from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
 
@@ -65,7 +65,6 @@ def _replay_moe_layer(rank: int, layout: str, capacity_factor, extra: Optional[d
     import megatron_deepepv2 as dv2
 
     dv2.install()
-    dv2.configure(layout=layout)
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     shape = TinyMoEConfig(hidden=32, ffn=32, num_experts=8, topk=2, capacity_factor=capacity_factor,
@@ -88,13 +87,13 @@ def _replay_moe_layer(rank: int, layout: str, capacity_factor, extra: Optional[d
     return layer
 
 
-def _moe_layer_replays(rank: int, world: int, layout: str, capacity_factor) -> None:
-    _replay_moe_layer(rank, layout, capacity_factor)
+def _moe_layer_replays(rank: int, world: int, capacity_factor) -> None:
+    _replay_moe_layer(rank, capacity_factor)
 
 
-@pytest.mark.parametrize("layout,capacity_factor", [("expand", None), ("expand", 0.5)])
-def test_moe_layer_with_deepepv2_replays_bit_exact(layout: str, capacity_factor) -> None:
-    run_distributed(_moe_layer_replays, 2, layout, capacity_factor, timeout=180)
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_moe_layer_with_deepepv2_replays_bit_exact(capacity_factor) -> None:
+    run_distributed(_moe_layer_replays, 2, capacity_factor, timeout=180)
 
 
 def test_negative_control_catches_nondeterminism() -> None:
@@ -140,9 +139,9 @@ def _megatron_deterministic_mode(rank: int, world: int) -> None:
     from megatron_deepepv2 import buffers
 
     torch.use_deterministic_algorithms(True)
-    layer = _replay_moe_layer(rank, "expand", None, extra={"deterministic_mode": True})
-    assert layer.token_dispatcher._comm_manager.deterministic
-    assert [buffer.spec.deterministic for buffer in buffers.active_buffers()] == [True]
+    layer = _replay_moe_layer(rank, None, extra={"deterministic_mode": True})
+    assert layer.token_dispatcher._comm_manager.dispatch_config.settings.deterministic
+    assert [buffer.spec.settings.deterministic for buffer in buffers.active_buffers()] == [True]
     assert torch.utils.deterministic.fill_uninitialized_memory  # the user's setting is left alone
 
 
@@ -158,7 +157,7 @@ def _no_host_sync_replays(rank: int, world: int) -> None:
 
     install_cpu_shims()
     dv2.install()
-    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=32, layout="expand", validate=False)
+    dv2.configure(host_sync=False, num_max_tokens_per_rank=32, validate=False)
     layer = build_moe_layer(TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3), "deepepv2",
                             sync_free_experts=True)
     x0 = torch.randn([20, 7][rank], 1, 32, generator=torch.Generator().manual_seed(rank))

@@ -13,6 +13,7 @@ Prints ``PASS name`` / ``SKIP name: reason`` / ``FAIL name`` per case and exits 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -25,7 +26,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import megatron_deepepv2 as dv2  # noqa: E402
-from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend, Routing  # noqa: E402
+from megatron_deepepv2.backends import (  # noqa: E402
+    BufferSpec,
+    DeepEPBackend,
+    DispatchConfig,
+    ExpertLayout,
+    ReferenceBackend,
+)
+from megatron_deepepv2.config import DeepepV2Settings  # noqa: E402
 from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
 from tools._bench import median_us  # noqa: E402
 
@@ -84,8 +92,9 @@ def layouts_match_reference() -> None:
     world = dist.get_world_size()
     group = dist.group.WORLD
     hidden, experts, topk, t_max = 1024, 32, 8, 1024
+    settings = DeepepV2Settings(deterministic=True, num_sms=0)  # num_sms=0: DeepEP's choice
     for fp8 in (False, True):
-        spec = BufferSpec(hidden=hidden, num_topk=topk, use_fp8=fp8, num_max_tokens_per_rank=t_max, deterministic=True)
+        spec = BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=t_max, settings=settings, fp8=fp8)
         deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
         try:
             for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
@@ -95,9 +104,10 @@ def layouts_match_reference() -> None:
                     if fp8:
                         scales = torch.rand(x.shape[0], hidden // 128, device="cuda") + 0.5
                         data = ((x.float() / 4).to(torch.float8_e4m3fn), scales)
-                    routing = Routing(experts, layout, alignment, zero_padding=layout is ExpertLayout.EXPAND)
-                    got = deepep.dispatch(data, idx, w, routing)
-                    want = reference.dispatch(data, idx, w, routing)
+                    config = DispatchConfig(DeepEPBackend, settings, layout, alignment,
+                                            zero_padding=layout is ExpertLayout.EXPAND)
+                    got = deepep.dispatch(data, idx, w, config, experts)
+                    want = reference.dispatch(data, idx, w, config, experts)
                     tag = f"{layout.value}/align{alignment}/fp8={fp8}"
                     if fp8:
                         exact(f"{tag} recv_x_fp8", got.recv_x[0], want.recv_x[0])
@@ -130,12 +140,13 @@ def nondeterministic_mode_matches_after_canonical_sort() -> None:
     """Without deterministic mode rows may arrive in any order; as a set (and through combine) they match."""
     world, group = dist.get_world_size(), dist.group.WORLD
     hidden, experts, topk = 1024, 32, 8
-    spec = BufferSpec(hidden=hidden, num_topk=topk, use_fp8=False, num_max_tokens_per_rank=1024)
+    spec = BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=1024, settings=DeepepV2Settings(num_sms=0))
     deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
+    config = DispatchConfig(DeepEPBackend)
     try:
         x, idx, w = make_routing(tokens_for_rank(world, 500), hidden, experts, topk, seed=11 + RANK)
-        got = deepep.dispatch(x, idx, w, Routing(experts))
-        want = reference.dispatch(x, idx, w, Routing(experts))
+        got = deepep.dispatch(x, idx, w, config, experts)
+        want = reference.dispatch(x, idx, w, config, experts)
         order_got = got.handle.native.recv_src_metadata[:, 0].long().argsort()
         order_want = want.handle.native.recv_src_index.argsort()
         exact("sorted recv_x", got.recv_x[order_got], want.recv_x[order_want])
@@ -201,48 +212,71 @@ def buffer_per_hidden_size() -> None:
             got = dv2.dispatch(x, idx, w, 32, backend="deepep", num_max_tokens_per_rank=512)
             want = dv2.dispatch(x, idx, w, 32, backend="reference", num_max_tokens_per_rank=512)
             exact(f"hidden {hidden}", got.recv_x, want.recv_x)
-            assert got.handle.backend.spec.hidden == hidden
-            assert backends.setdefault(hidden, got.handle.backend) is got.handle.backend
+            assert got.handle.buffer.spec.hidden == hidden
+            assert backends.setdefault(hidden, got.handle.buffer) is got.handle.buffer
         assert buffers.buffer_stats().builds - builds == 4  # one per hidden size and backend
     dv2.destroy_buffers()
 
 
-def _moe_layer_grads(dispatcher: str, layout: str, shape, x0):
+def _moe_layer_grads(dispatcher: str, shape, x0):
+    """One forward and backward of a MoELayer: ``(output, input gradient, parameter gradients, layer)``."""
     from megatron_deepepv2.testing.moe_model import build_moe_layer
 
-    dv2.configure(layout=layout, backend="deepep")
+    dv2.configure(backend="deepep")
     layer = build_moe_layer(shape, dispatcher, seed=5)
     x = x0.clone().requires_grad_()
     y, _ = layer(x)
     y.float().pow(2).mean().backward()
     torch.cuda.synchronize()
-    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}, layer
+
+
+class _Messages(logging.Handler):
+    """Keeps the message of every WARNING (or worse) record it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def layout_variable_is_unread() -> None:
+    """``MEGATRON_DEEPEPV2_LAYOUT=compact`` selects nothing (there is no layout setting: Megatron layers dispatch in
+    the expand layout): the settings read from it are the defaults, and it gets the unread-variable WARNING."""
+    handler, config_logger = _Messages(), logging.getLogger("megatron_deepepv2.config")
+    config_logger.addHandler(handler)
+    try:
+        settings = DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_LAYOUT": "compact"})
+    finally:
+        config_logger.removeHandler(handler)
+    assert settings == DeepepV2Settings(), settings
+    unread = "MEGATRON_DEEPEPV2_LAYOUT is set, but no megatron_deepepv2 setting reads it"
+    assert any(message.startswith(unread) for message in handler.messages), handler.messages
 
 
 @case
 def moe_layer_matches_alltoall() -> None:
-    """Megatron MoELayer with deepepv2 vs the alltoall dispatcher: output and every gradient; the compact layout is
-    refused for Megatron layers, naming expand."""
+    """Megatron MoELayer with deepepv2 vs the alltoall dispatcher: output and every gradient; the layer dispatches in
+    the expand layout, which no variable changes (:func:`layout_variable_is_unread`)."""
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig
 
     dv2.install()
+    layout_variable_is_unread()
     shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(RANK)
     x0 = torch.randn(512, 1, shape.hidden, generator=gen).to(torch.bfloat16).cuda()
-    want = _moe_layer_grads("alltoall", "expand", shape, x0)
-    try:
-        _moe_layer_grads("deepepv2", "compact", shape, x0)
-    except ValueError as error:
-        assert "expand layout only" in str(error), error
-    else:
-        raise AssertionError("a deepepv2 MoELayer was built with the compact layout")
-    for layout in ("expand",):
-        got = _moe_layer_grads("deepepv2", layout, shape, x0)
-        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2, msg=f"{layout} output")
-        torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2, msg=f"{layout} input grad")
-        assert got[2].keys() == want[2].keys()
-        for name in want[2]:
-            torch.testing.assert_close(got[2][name], want[2][name], rtol=2e-2, atol=2e-2, msg=f"{layout} {name}")
+    want = _moe_layer_grads("alltoall", shape, x0)
+    got = _moe_layer_grads("deepepv2", shape, x0)
+    config = got[3].token_dispatcher._comm_manager.dispatch_config
+    assert config.layout is ExpertLayout.EXPAND and config.backend is DeepEPBackend, config
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2, msg="output")
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2, msg="input grad")
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=2e-2, atol=2e-2, msg=name)
+    del got, want
     dv2.destroy_buffers()
 
 
@@ -255,7 +289,7 @@ def ep_overlap_combined_1f1b_matches_alltoall() -> None:
     from tests.unit.test_ep_overlap import GPU_SHAPE, compare_overlap_with_alltoall
 
     dv2.install()
-    dv2.configure(layout="expand", backend="deepep")
+    dv2.configure(backend="deepep")
     compare_overlap_with_alltoall(RANK, GPU_SHAPE)
     dv2.destroy_buffers()
 
@@ -274,7 +308,7 @@ def moe_layer_replays_bit_exact_in_deterministic_mode() -> None:
     for mode in ("setting", "megatron", "off"):
         extra = {"deterministic_mode": True} if mode == "megatron" else {}
         shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16, extra=extra)
-        dv2.configure(layout="expand", backend="deepep", deterministic=mode == "setting")
+        dv2.configure(backend="deepep", deterministic=mode == "setting")
         torch.use_deterministic_algorithms(mode == "megatron")
         try:
             run = moe_layer_replay(build_moe_layer(shape, "deepepv2", seed=9), x0)
@@ -326,7 +360,7 @@ def no_host_sync_matches_reference_without_syncs() -> None:
 def _graph_layer(backend: str, shape, tokens: int):
     from megatron_deepepv2.testing.moe_model import build_moe_layer
 
-    dv2.configure(layout="expand", backend=backend, no_host_sync=True, num_max_tokens_per_rank=tokens,
+    dv2.configure(backend=backend, host_sync=False, num_max_tokens_per_rank=tokens,
                   deterministic=False)
     return build_moe_layer(shape, "deepepv2", seed=13, sync_free_experts=True)
 
@@ -385,7 +419,7 @@ def moe_layer_cuda_graph_replay_equals_eager() -> None:
             f"(T={tokens} H={shape.hidden} E={shape.num_experts} top-{shape.topk})")
         graph = layer = None
         dv2.destroy_buffers()
-    dv2.configure(no_host_sync=False, num_max_tokens_per_rank=None)
+    dv2.configure(host_sync=True, num_max_tokens_per_rank=None)
 
 
 @case
@@ -436,7 +470,7 @@ def receive_bound_captured_in_a_cuda_graph() -> None:
         log(f"  {backend}: bounded layer captured; replays drop {eager_dropped} selections, as eager")
         graph = layer = None
         dv2.destroy_buffers()
-    dv2.configure(no_host_sync=False, num_max_tokens_per_rank=None)
+    dv2.configure(host_sync=True, num_max_tokens_per_rank=None)
 
 
 @case
@@ -458,7 +492,7 @@ def shared_expert_overlap_matches_serial() -> None:
         for overlap in (False, True):
             shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16,
                                   extra=dict(moe_shared_expert_intermediate_size=1024, moe_shared_expert_overlap=overlap))
-            dv2.configure(layout="expand", backend="deepep", deterministic=True)
+            dv2.configure(backend="deepep", deterministic=True)
             layer = build_moe_layer(shape, dispatcher, seed=21)
             assert layer.shared_experts is not None and layer.shared_expert_overlap == overlap
             x = x0.clone().requires_grad_()

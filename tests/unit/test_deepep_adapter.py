@@ -261,17 +261,24 @@ def use_stand_in_backend(line: str = "2.1") -> None:
 
 
 def _adapter_worker(rank: int, world: int, line: str) -> None:
-    _install_fake(line)
+    # The stand-in, and the reference backend's limits, so that the autograd ops take CPU tensors of any dtype.
+    use_stand_in_backend(line)
     stand_in = STAND_INS[line][1]
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend
-
-    from megatron_deepepv2.backends import Routing, Streams
+    from megatron_deepepv2.backends import (
+        BufferSpec,
+        DeepEPBackend,
+        DispatchConfig,
+        ExpertLayout,
+        ReferenceBackend,
+        Streams,
+    )
+    from megatron_deepepv2.config import DeepepV2Settings
 
     derived = []  # one entry per derivation of device counts from DeepEP's prefix sums
     count_from_psum = DeepEPBackend.device_counts
     DeepEPBackend.device_counts = lambda self, handle: derived.append(1) or count_from_psum(self, handle)
-    spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=32, num_sms=23)
+    spec = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=32, settings=DeepepV2Settings(num_sms=23))
     sms = 24 if line == "V2.5" else 23  # V2.5 runs an even count; the backend rounds it itself
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
     assert isinstance(backend.buffer, stand_in) and backend.num_sms == sms
@@ -280,9 +287,11 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
     for layout, host_sync in [(layout, sync) for layout in ExpertLayout for sync in (True, False)]:
-        routing = Routing(8, layout, 4, layout is ExpertLayout.EXPAND, host_sync)
+        # The settings of the buffer above: the autograd ops below get theirs from the buffer registry.
+        settings = DeepepV2Settings(host_sync=host_sync, num_sms=23, num_max_tokens_per_rank=32)
+        config = DispatchConfig(DeepEPBackend, settings, layout, 4, layout is ExpertLayout.EXPAND)
         derived.clear()
-        got, want = backend.dispatch(x, idx, w, routing), reference.dispatch(x, idx, w, routing)
+        got, want = backend.dispatch(x, idx, w, config, 8), reference.dispatch(x, idx, w, config, 8)
         assert torch.equal(got.recv_x, want.recv_x)
         assert got.handle.tokens_per_expert_list == want.handle.tokens_per_expert_list
         # The device counts are derived only when asked for (host-sync callers use the host list), and once.
@@ -308,16 +317,15 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
         stand_in.calls.clear()
         _EventOverlap.created.clear()
         xg = x.clone().requires_grad_()
-        config = ops.DispatchConfig(backend=DeepEPBackend, layout=layout, expert_alignment=4,
-                                    zero_padding=layout is ExpertLayout.EXPAND, host_sync=host_sync)
-        bound, side = ops.Dispatcher(config, group_of(), 8), []
-        recv_x, recv_w = ops.DispatchFunction.apply(xg, w, (bound, backend, idx, None, Streams(True, True), side))
+        bound = ops.bind(config, group_of(), 8)
+        recv_x, recv_w, _, recv_idx, handle = ops.DispatchFunction.apply(xg, w, bound, idx, None, Streams(True, True))
+        assert isinstance(handle.buffer, DeepEPBackend) and handle.buffer is not backend  # the registry's buffer
         assert torch.equal(recv_w, want.recv_topk_weights.masked_fill(
             want.recv_topk_idx < 0, 0) if layout is ExpertLayout.COMPACT else want.recv_topk_weights)
         if layout is ExpertLayout.COMPACT:
-            assert torch.equal(side[1], want.recv_topk_idx)
+            assert torch.equal(recv_idx, want.recv_topk_idx)
         recv_x.retain_grad()
-        y = ops.CombineFunction.apply(recv_x, side[-1], Streams(True, True))
+        y = ops.CombineFunction.apply(recv_x, handle, Streams(True, True))
         y.sum().backward()
         grad_rows = reference.cached_dispatch(torch.ones_like(y), want.handle).recv_x
         assert torch.equal(recv_x.grad[:valid], grad_rows[:valid]) and not recv_x.grad[valid:].any()
@@ -333,16 +341,15 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
         # Synchronous calls never allocate on the communication stream (nothing would protect those outputs from
         # reuse by that stream once freed), so they pass no previous event either.
         stand_in.calls.clear()
-        side = []
-        recv_x, _ = ops.DispatchFunction.apply(x.clone().requires_grad_(), None,
-                                               (bound, backend, idx, None, Streams(False, True), side))
-        ops.CombineFunction.apply(recv_x, side[-1], Streams(False, True)).sum().backward()
+        recv_x, _, _, _, handle = ops.DispatchFunction.apply(x.clone().requires_grad_(), None, bound, idx, None,
+                                                             Streams(False, True))
+        ops.CombineFunction.apply(recv_x, handle, Streams(False, True)).sum().backward()
         assert len(stand_in.calls) == 4 and not any(c["alloc"] or c["prev"] or c["async_"] for c in stand_in.calls)
     DeepEPBackend.device_counts = count_from_psum
     # FP8 pairs pass through as pairs, bytes unchanged.
     fp8 = (x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], 2, generator=torch.Generator().manual_seed(rank)))
-    routing = Routing(8, ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)
-    got, want = backend.dispatch(fp8, idx, w, routing), reference.dispatch(fp8, idx, w, routing)
+    config = DispatchConfig(DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)
+    got, want = backend.dispatch(fp8, idx, w, config, 8), reference.dispatch(fp8, idx, w, config, 8)
     assert isinstance(got.recv_x, tuple) and got.recv_x[0].dtype == torch.float8_e4m3fn
     assert torch.equal(got.recv_x[0].view(torch.uint8), want.recv_x[0].view(torch.uint8))
     assert torch.equal(got.recv_x[1], want.recv_x[1])
@@ -353,11 +360,21 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
 def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     """Megatron's --deterministic-mode turns on torch's deterministic algorithms with the fill left on (torch's
     default): every adapter call must still pass DeepEP's check, and the user's setting must come back."""
-    _install_fake(line)
+    use_stand_in_backend(line)
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ExpertLayout, ReferenceBackend, Routing, Streams
+    from megatron_deepepv2.backends import (
+        BufferSpec,
+        DeepEPBackend,
+        DispatchConfig,
+        ExpertLayout,
+        ReferenceBackend,
+        Streams,
+    )
+    from megatron_deepepv2.config import DeepepV2Settings
 
-    spec = BufferSpec(hidden=8, num_topk=2, use_fp8=False, num_max_tokens_per_rank=16, num_sms=24, deterministic=True)
+    settings = DeepepV2Settings(num_sms=24, deterministic=True, host_sync=True, num_max_tokens_per_rank=16)
+    spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=16, settings=settings)
+    config = DispatchConfig(DeepEPBackend, settings, ExpertLayout.EXPAND, expert_alignment=2, zero_padding=True)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
     assert backend.buffer.ctor["deterministic"] is True
     problem = make_problem(43, [5, 3], 8, 4, 2, dtype=torch.float32)
@@ -366,18 +383,15 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     torch.use_deterministic_algorithms(True)
     try:
         assert torch.utils.deterministic.fill_uninitialized_memory
-        config = ops.DispatchConfig(backend=DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=2,
-                                    zero_padding=True, host_sync=True, deterministic=True)
-        side = []
-        recv_x, _ = ops.DispatchFunction.apply(x, w, (ops.Dispatcher(config, group_of(), 4), backend, idx, None,
-                                                      Streams(True, True), side))
-        y = ops.CombineFunction.apply(recv_x * 2, side[-1], Streams(True, True))
+        recv_x, _, _, _, handle = ops.DispatchFunction.apply(x, w, ops.bind(config, group_of(), 4), idx, None,
+                                                             Streams(True, True))
+        assert handle.buffer.buffer.ctor["deterministic"] is True  # the registry's buffer, built from the settings
+        y = ops.CombineFunction.apply(recv_x * 2, handle, Streams(True, True))
         y.sum().backward()
         assert torch.utils.deterministic.fill_uninitialized_memory  # restored after every call
     finally:
         torch.use_deterministic_algorithms(False)
-    want = reference.dispatch(x.detach(), idx, w, Routing(4, ExpertLayout.EXPAND, expert_alignment=2,
-                                                          zero_padding=True))
+    want = reference.dispatch(x.detach(), idx, w, config, 4)
     torch.testing.assert_close(y, reference.combine(want.recv_x * 2, want.handle).x)
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0) * (idx >= 0).sum(1, keepdim=True))
     backend.destroy()
@@ -414,14 +428,14 @@ def _caller_reuses_topk_idx(rank: int, world: int) -> str:
     """V2.5's handle keeps the ``topk_idx`` it is given: a caller that refills its tensor before the backward (as the
     next replay of a CUDA graph refills its static inputs) must not change the routing of a pending combine."""
     _install_fake("V2.5")
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, ReferenceBackend, Routing
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ReferenceBackend
 
-    spec = BufferSpec(hidden=8, num_topk=3, use_fp8=False, num_max_tokens_per_rank=16)
+    spec, config = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=16), DispatchConfig(DeepEPBackend)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
     problem = make_problem(44, [6, 5], 8, 8, 3, dtype=torch.float32)
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows].clone(), problem.topk_weights[rows]
-    got, want = backend.dispatch(x, idx, w, Routing(8)), reference.dispatch(x, idx, w, Routing(8))
+    got, want = backend.dispatch(x, idx, w, config, 8), reference.dispatch(x, idx, w, config, 8)
     idx.copy_(idx.roll(1, dims=0))  # the caller's static tensor, refilled for the next micro-batch
     torch.testing.assert_close(backend.combine(got.recv_x, got.handle).x, reference.combine(want.recv_x, want.handle).x)
     backend.destroy()

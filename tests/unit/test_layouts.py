@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2.backends import Routing
+from megatron_deepepv2.backends import DispatchConfig, ReferenceBackend
 from tests.distributed import run_distributed
 from tests.oracle import make_problem
 
@@ -45,8 +45,9 @@ def _compact_worker(rank: int, world: int) -> None:
         expected_w = torch.stack(weights).masked_fill(torch.stack(ids) < 0, 0.0)
         assert torch.equal(result.recv_topk_weights, expected_w)
     # The raw backend returns the weights as sent, like DeepEP.
-    buffer = result.handle.backend
-    raw = buffer.dispatch(problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], Routing(EXPERTS))
+    buffer = result.handle.buffer
+    raw = buffer.dispatch(problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine],
+                          DispatchConfig(ReferenceBackend), EXPERTS)
     if rows:
         assert torch.equal(raw.recv_topk_weights, torch.stack(weights))
     counts = torch.bincount(result.recv_topk_idx[result.recv_topk_idx >= 0], minlength=EXPERTS // world)
@@ -92,11 +93,12 @@ def _cached_worker(rank: int, world: int, layout: str) -> None:
     first = dv2.dispatch(problem.x[mine], idx, w, EXPERTS, layout=layout, expert_alignment=4)
     other = problem.grad_out[mine]
     fresh = dv2.dispatch(other, idx, w, EXPERTS, layout=layout, expert_alignment=4)
-    buffer = first.handle.backend
+    buffer = first.handle.buffer
     cached = buffer.cached_dispatch(other, first.handle, w)
     assert cached.handle is first.handle
     assert torch.equal(cached.recv_x, fresh.recv_x)
-    raw_fresh = buffer.dispatch(other, idx, w, first.handle.routing)  # the routing the op chose (zero padding)
+    # The configuration the op chose (zero padding).
+    raw_fresh = buffer.dispatch(other, idx, w, first.handle.config, EXPERTS)
     assert torch.equal(cached.recv_topk_weights, raw_fresh.recv_topk_weights)
     if layout == "compact":
         assert torch.equal(cached.recv_topk_idx, fresh.recv_topk_idx)

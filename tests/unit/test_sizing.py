@@ -120,6 +120,7 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
 
     from megatron_deepepv2.backends import BufferSpec, DeepEPBackend
     from megatron_deepepv2.backends import deepep as adapter
+    from megatron_deepepv2.config import DeepepV2Settings
 
     built = []
 
@@ -134,8 +135,9 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     monkeypatch.setattr(adapter, "ensure_nccl_communicator", lambda group: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    DeepEPBackend(object(), BufferSpec(hidden=7168, num_topk=8, use_fp8=True, num_max_tokens_per_rank=4096,
-                                            allow_hybrid_mode=False))
+    settings = DeepepV2Settings(fp8_dispatch=True, allow_hybrid_mode=False)
+    DeepEPBackend(object(), BufferSpec(hidden=7168, num_topk=8, num_max_tokens_per_rank=4096, settings=settings,
+                                       fp8=True))
     (kwargs,) = built
     assert kwargs["use_fp8_dispatch"] is False
     assert (kwargs["num_max_tokens_per_rank"], kwargs["hidden"], kwargs["num_topk"]) == (4096, 7168, 8)

@@ -155,6 +155,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
     import torch
 
     from megatron_deepepv2.backends import BufferSpec, DeepEPBackend
+    from megatron_deepepv2.config import DeepepV2Settings
     from tests.unit.test_deepep_adapter import group_of, use_stand_in_backend
 
     # One GPU per task under srun: no LOCAL_WORLD_SIZE, one visible device (CPU ranks see none).
@@ -163,7 +164,8 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
     if nodes is not None:
         os.environ[NODE_ID_VARIABLE] = nodes[rank]
     use_stand_in_backend()
-    spec = BufferSpec(hidden=8, num_topk=2, use_fp8=False, num_max_tokens_per_rank=8, allow_hybrid_mode=setting)
+    spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=8,
+                      settings=DeepepV2Settings(allow_hybrid_mode=setting))
     backend = DeepEPBackend(group_of(), spec)
     try:
         return backend.buffer.ctor["allow_hybrid_mode"]
