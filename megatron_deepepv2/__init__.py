@@ -3,7 +3,7 @@
 Public API:
 
 * :func:`dispatch` / :func:`combine` -- differentiable expert-parallel all-to-all, :func:`resolve_config` -- a
-  configuration resolved once for repeated calls (:mod:`.ops`);
+  configuration resolved once for repeated calls (:mod:`.ops`, :mod:`.backends`);
 * :class:`ExpertLayout`, :class:`DispatchConfig`, :class:`DispatchHandle`, :class:`DispatchResult` -- the types they
   speak (:mod:`.backends.base`);
 * :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
@@ -21,11 +21,12 @@ from megatron_deepepv2.backends import (
     backend_names,
     register_backend,
     resolve_backend,
+    resolve_config,
 )
 from megatron_deepepv2.failures import PeerFailure
 from megatron_deepepv2.buffers import destroy_buffers, release_retired_buffers
 from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
-from megatron_deepepv2.ops import combine, dispatch, resolve_config
+from megatron_deepepv2.ops import combine, dispatch
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from megatron_deepepv2 import bounded_receive, ops, validation
-from megatron_deepepv2.backends import SYNC, DispatchConfig, DispatchHandle, ExpertLayout
+from megatron_deepepv2.backends import SYNC, DispatchConfig, DispatchHandle, ExpertLayout, resolve_config
 from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.layout import receive_bound_rows
 
@@ -49,7 +49,7 @@ def dispatch_config_for(config: Any) -> DispatchConfig:
     if resolved is not None:
         return resolved
     settings = get_settings()
-    resolved = ops.resolve_config(
+    resolved = resolve_config(
         layout=ExpertLayout.EXPAND, expert_alignment=alignment_for(config), zero_padding=True,
         num_sms=configured_num_sms(config) or settings.num_sms,
         deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),

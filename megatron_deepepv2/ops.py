@@ -8,7 +8,6 @@ Callers -- the Megatron manager and :func:`dispatch` / :func:`combine` -- call :
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -26,50 +25,11 @@ from megatron_deepepv2.backends import (
     ExpertLayout,
     HiddenStates,
     Streams,
-    resolve_backend,
+    resolve_config,
 )
-from megatron_deepepv2.config import DeepepV2Settings, get_settings
+from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.failures import count_call, peer_failure
 from megatron_deepepv2.layout import rows_past_valid
-
-#: Fields of :class:`DispatchConfig` a caller sets beside the settings (``settings`` itself is resolved).
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(DispatchConfig)) - {"settings"}
-_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(DeepepV2Settings))
-
-
-def resolve_config(**overrides: Any) -> DispatchConfig:
-    """Resolves a dispatch configuration: ``overrides`` over the process-wide settings, then checks it once.
-
-    Args:
-        **overrides: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` (``backend`` and ``layout``
-            may be names) and of :class:`~megatron_deepepv2.config.DeepepV2Settings`; None leaves a field unset.
-            ``zero_padding`` unset means: whenever expand blocks are padded.
-
-    Returns:
-        The configuration.
-
-    Raises:
-        TypeError: For a name that is neither.
-        ValueError: For an unknown backend or layout, or a value :func:`~megatron_deepepv2.validation.
-            check_dispatch_config` rejects.
-        ImportError: An explicitly named backend cannot run here.
-    """
-    overrides = {name: value for name, value in overrides.items() if value is not None}
-    unknown = sorted(set(overrides) - _CONFIG_FIELDS - _SETTING_FIELDS)
-    if unknown:
-        raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_CONFIG_FIELDS | _SETTING_FIELDS)}.")
-    # ``backend`` is both: the setting names the backend, the configuration holds the class that runs.
-    changes = {name: overrides.pop(name) for name in list(overrides) if name in _SETTING_FIELDS and name != "backend"}
-    settings = dataclasses.replace(get_settings(), **changes) if changes else get_settings()
-    backend = overrides.pop("backend", settings.backend)
-    layout = ExpertLayout.parse(overrides.pop("layout", ExpertLayout.COMPACT))
-    alignment = overrides.pop("expert_alignment", 1)
-    padded = layout is ExpertLayout.EXPAND and isinstance(alignment, int) and alignment > 1
-    config = DispatchConfig(backend if isinstance(backend, type) else resolve_backend(backend), settings, layout,
-                            alignment, overrides.pop("zero_padding", padded), **overrides)
-    validation.check_dispatch_config(config)
-    return config
-
 
 #: The dispatchers bound so far, per (configuration, group, experts).
 _dispatchers: dict[tuple, "Dispatcher"] = {}
@@ -189,15 +149,10 @@ def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optiona
 
 
 class DispatchFunction(torch.autograd.Function):
-    """Dispatch as an autograd op, differentiable in ``x`` and ``topk_weights``.
-
-    ``DispatchFunction.apply(x, topk_weights, dispatcher, topk_idx, scales, streams)`` takes ``x`` ``[T, H]`` (with
-    ``scales`` ``[T, S]``: an FP8 pair, passed through and not differentiable), fp32 ``[T, K]`` ``topk_weights`` or
-    None, the :class:`Dispatcher`, int64 ``[T, K]`` ``topk_idx`` and the :class:`~megatron_deepepv2.backends.base.
-    Streams`; it returns ``(recv_x, recv_topk_weights, recv_scales, recv_topk_idx, handle)``, as
-    :class:`~megatron_deepepv2.backends.base.DispatchResult` describes them (``recv_scales``: those of a passed-through
-    FP8 pair, else None). With ``fp8_dispatch`` ``x`` travels as e4m3 and comes back BF16; the backward is BF16.
-    """
+    """``apply(x [T, H], topk_weights [T, K] fp32 | None, dispatcher, topk_idx [T, K] int64, scales [T, S] | None,
+    streams)`` -> ``(recv_x, recv_topk_weights, recv_scales, recv_topk_idx, handle)`` as in
+    :class:`~megatron_deepepv2.backends.base.DispatchResult` (``scales``: of an FP8 pair, passed through, then not
+    differentiable). Differentiable in ``x`` and ``topk_weights``; with ``fp8_dispatch`` the backward is BF16."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor], dispatcher: Dispatcher,  # type: ignore[override]
@@ -259,12 +214,8 @@ _combine_checked: set[tuple] = set()
 
 
 class CombineFunction(torch.autograd.Function):
-    """Combine as an autograd op, differentiable in ``x``.
-
-    ``CombineFunction.apply(x, handle, streams)`` takes rows ``x`` in the receive layout of ``handle`` (compact
-    ``[N, H]``: each the sum of the token's local experts' weighted outputs; expand ``[N_expanded, H]``: one per
-    selection) and returns the ``[T, H]`` sums on the tokens' source ranks, in ``x``'s dtype.
-    """
+    """``apply(x, handle, streams)`` -> ``[T, H]``: the rows ``x`` (in the receive layout of ``handle``) summed back
+    on the tokens' source ranks, in ``x``'s dtype; differentiable in ``x``."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: Streams):  # type: ignore[override]
@@ -395,14 +346,12 @@ def _config_for(settings: dict[str, Any]) -> DispatchConfig:
 
 def combine(x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = False,
             allocate_on_comm_stream: bool = False) -> torch.Tensor:
-    """Sums each token's expert outputs back on its source rank (differentiable in ``x``); see
-    :class:`CombineFunction`.
+    """Sums each token's expert outputs back on its source rank (differentiable in ``x``).
 
     Args:
-        x: Rows in the receive layout of ``handle``.
+        x: Rows in the receive layout of ``handle`` (compact ``[N, H]``, expand ``[N_expanded, H]``).
         handle: The handle returned by :func:`dispatch`.
-        async_finish: See :func:`dispatch`.
-        allocate_on_comm_stream: See :func:`dispatch`.
+        async_finish, allocate_on_comm_stream: See :func:`dispatch`.
 
     Returns:
         ``[T, H]`` combined rows in ``x``'s dtype.

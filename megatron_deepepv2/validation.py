@@ -168,17 +168,9 @@ def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weight
                           limits: "BackendLimits", fp8_dispatch: bool = False,
                           num_max_tokens_per_rank: Optional[int] = None, num_experts: int = 0,
                           check_values: bool = False) -> Optional[Exception]:
-    """Checks dispatch arguments; returns the first problem instead of raising it.
-
-    Args:
-        x: ``[T, H]`` hidden states or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
-        topk_idx: ``[T, K]`` int64 expert ids, ``-1`` = none.
-        topk_weights: ``[T, K]`` fp32 weights or None.
-        limits: The backend's static limits.
-        fp8_dispatch: Whether the dispatch quantises ``x`` to FP8 (it must be a BF16 tensor then).
-        num_max_tokens_per_rank: Token limit to check ``T`` against, or None to skip.
-        num_experts: Global number of experts (for ``check_values``).
-        check_values: Also check expert id values (reads ``topk_idx`` on the host).
+    """Checks dispatch arguments (``x`` ``[T, H]`` or an FP8 pair, ``topk_idx`` int64 ``[T, K]``, ``topk_weights``
+    fp32 ``[T, K]`` or None) against the backend's ``limits``, FP8 dispatch (``x`` BF16) and the token limit; with
+    ``check_values`` also the ids' values (read on the host).
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None when all is well.

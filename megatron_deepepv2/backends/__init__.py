@@ -1,4 +1,5 @@
-"""Backend registry: maps a backend name to its class, and resolves ``auto``.
+"""Backend registry and configuration resolution: maps a backend name to its class, resolves ``auto``, and resolves a
+dispatch configuration from the settings (:func:`resolve_config`).
 
 Backends register here by name; nothing else in the package branches on backend names.
 
@@ -13,8 +14,9 @@ Backends register here by name; nothing else in the package branches on backend 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -31,6 +33,8 @@ from megatron_deepepv2.backends.base import (
 )
 from megatron_deepepv2.backends.deepep import DeepEPBackend
 from megatron_deepepv2.backends.reference import ReferenceBackend
+from megatron_deepepv2 import validation
+from megatron_deepepv2.config import DeepepV2Settings, get_settings
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 logger = logging.getLogger(__name__)
@@ -94,6 +98,45 @@ def resolve_backend(name: str) -> type[DispatchBackend]:
     return backend_cls
 
 
+#: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` a caller sets beside the settings (``settings`` itself is resolved).
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(DispatchConfig)) - {"settings"}
+_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(DeepepV2Settings))
+
+
+def resolve_config(**overrides: Any) -> DispatchConfig:
+    """Resolves a dispatch configuration: ``overrides`` over the process-wide settings, then checks it once.
+
+    Args:
+        **overrides: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` (``backend`` and ``layout``
+            may be names) and of :class:`~megatron_deepepv2.config.DeepepV2Settings`; None leaves a field unset.
+            ``zero_padding`` unset means: whenever expand blocks are padded.
+
+    Returns:
+        The configuration.
+
+    Raises:
+        TypeError: For a name that is neither.
+        ValueError: For an unknown backend or layout, or a value :func:`~megatron_deepepv2.validation.
+            check_dispatch_config` rejects.
+        ImportError: An explicitly named backend cannot run here.
+    """
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    unknown = sorted(set(overrides) - _CONFIG_FIELDS - _SETTING_FIELDS)
+    if unknown:
+        raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_CONFIG_FIELDS | _SETTING_FIELDS)}.")
+    # ``backend`` is both: the setting names the backend, the configuration holds the class that runs.
+    changes = {name: overrides.pop(name) for name in list(overrides) if name in _SETTING_FIELDS and name != "backend"}
+    settings = dataclasses.replace(get_settings(), **changes) if changes else get_settings()
+    backend = overrides.pop("backend", settings.backend)
+    layout = ExpertLayout.parse(overrides.pop("layout", ExpertLayout.COMPACT))
+    alignment = overrides.pop("expert_alignment", 1)
+    padded = layout is ExpertLayout.EXPAND and isinstance(alignment, int) and alignment > 1
+    config = DispatchConfig(backend if isinstance(backend, type) else resolve_backend(backend), settings, layout,
+                            alignment, overrides.pop("zero_padding", padded), **overrides)
+    validation.check_dispatch_config(config)
+    return config
+
+
 register_backend(ReferenceBackend)
 register_backend(DeepEPBackend)
 
@@ -115,4 +158,5 @@ __all__ = [
     "backend_names",
     "register_backend",
     "resolve_backend",
+    "resolve_config",
 ]

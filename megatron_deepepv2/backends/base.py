@@ -1,20 +1,14 @@
-"""The backend contract: what every dispatch/combine backend of this package implements, and the types it speaks.
-
-* :class:`DispatchConfig` -- what a layer's dispatches do, resolved once and passed on every call;
-* :class:`BufferSpec` -- what a communication buffer is built for;
-* :class:`Streams` and :data:`SYNC` -- how a call orders DeepEP's communication stream;
-* :class:`DispatchHandle` and :class:`DispatchResult` -- what a dispatch returns;
-* :class:`DispatchBackend` -- a backend class; each instance is one communication buffer on one process group.
+"""The backend contract: :class:`DispatchConfig` (what a layer's dispatches do), :class:`BufferSpec`, :class:`Streams`
+and :data:`SYNC`, :class:`DispatchHandle` and :class:`DispatchResult`, and :class:`DispatchBackend`, whose instances
+are communication buffers.
 
 The semantics are ``deep_ep.ElasticBuffer``'s (DeepEP 2.1.0). **dispatch** sends every token to each rank hosting one
-of its experts: ``compact`` gives one row per (token, destination rank) in source-rank-major order with the token's
-full top-k weights and local expert ids (``-1`` for other ranks' experts); ``expand`` gives one row per (token, local
-expert) selection, grouped by local expert, each block padded to ``expert_alignment``, with 1-D weights. **combine**
-is its transpose, an *unweighted* sum over the token's destinations; weights passed to it come back per top-k slot
-from the rank owning the slot's expert. **cached dispatch** repeats a routing for new data (combine's backward).
-With host sync a dispatch waits on the host for exact sizes; without, outputs have the worst-case size
-(:func:`~megatron_deepepv2.layout.worst_case_recv_rows`), valid rows first, counts on the device; rows past the valid
-extent are unspecified. Every call returns with the current stream ordered after its communication.
+of its experts: ``compact`` gives one row per (token, destination rank), source-rank-major, with the token's top-k
+weights and local expert ids (``-1``: another rank's); ``expand`` one row per (token, local expert), grouped by expert,
+each block padded to ``expert_alignment``, with 1-D weights. **combine** is its transpose, an unweighted sum; weights
+passed to it come back per top-k slot. **cached dispatch** repeats a routing for new data. Without host sync outputs
+have the worst-case size (:func:`~megatron_deepepv2.layout.worst_case_recv_rows`), valid rows first, counts on the
+device, the rest unspecified. Every call returns with the current stream ordered after its communication.
 """
 
 from __future__ import annotations
@@ -32,8 +26,7 @@ from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """What a layer's dispatches do, the same on every call: resolved once
-    (:func:`megatron_deepepv2.ops.resolve_config`), checked once, then passed as it is.
+    """What a layer's dispatches do, resolved and checked once (:func:`megatron_deepepv2.backends.resolve_config`).
 
     Attributes:
         backend: The backend class.
@@ -87,10 +80,8 @@ class BufferSpec:
         num_max_tokens_per_rank: Tokens any rank dispatches in one call at most, the same on every rank.
         settings: The settings of the dispatches using it; the fields marked ``BUFFER`` in
             :mod:`megatron_deepepv2.config` are construction arguments.
-        fp8: Whether dispatches send FP8 rows. Not a construction argument (every buffer is sized for the BF16 rows
-            of combine's backward); in the key so that a build agrees on it over the ranks.
-        key: What buffers are kept apart by: hidden size, top-k, FP8 and the construction settings (not the token
-            count).
+        fp8: Whether dispatches send FP8 rows (in the key so that builds agree on it; sizing is BF16's).
+        key: What buffers are kept apart by: all but the token count and the settings not marked ``BUFFER``.
     """
 
     hidden: int
@@ -106,17 +97,9 @@ class BufferSpec:
 
 @dataclass(frozen=True)
 class BackendLimits:
-    """Static limits of a backend, checked before any communication starts (:mod:`megatron_deepepv2.validation`).
-
-    Attributes:
-        dispatch_dtypes: Dtypes accepted for a plain (non-FP8) dispatch input.
-        combine_dtypes: Dtypes accepted for the combine input.
-        combine_hidden_multiple: Combine needs ``H % combine_hidden_multiple == 0``.
-        fp8_hidden_multiple: FP8 dispatch needs ``H % fp8_hidden_multiple == 0``.
-        max_topk: Largest supported top-k.
-        requires_cuda: Whether tensors must live on a CUDA device.
-        deterministic_without_host_sync: Whether deterministic mode runs without host sync.
-    """
+    """Static limits of a backend, checked before any communication (:mod:`megatron_deepepv2.validation`): input
+    dtypes, ``H`` multiples of combine and FP8 dispatch, the largest top-k, CUDA only, and whether deterministic mode
+    runs without host sync."""
 
     dispatch_dtypes: tuple[torch.dtype, ...]
     combine_dtypes: tuple[torch.dtype, ...]
@@ -128,13 +111,8 @@ class BackendLimits:
 
 
 class Streams(NamedTuple):
-    """How a call orders DeepEP's communication stream.
-
-    Attributes:
-        async_finish: Run the communication asynchronously on the communication stream; the call still makes the
-            current stream wait for it before returning.
-        allocate_on_comm_stream: Allocate outputs on the communication stream (with ``async_finish`` only).
-    """
+    """How a call orders DeepEP's communication stream: ``async_finish`` runs it asynchronously (the call still makes
+    the current stream wait for it), ``allocate_on_comm_stream`` allocates outputs there (with ``async_finish``)."""
 
     async_finish: bool = False
     allocate_on_comm_stream: bool = False
@@ -146,8 +124,7 @@ SYNC = Streams()
 
 @dataclass(eq=False, slots=True, weakref_slot=True)
 class DispatchHandle:
-    """What a dispatch leaves for the matching combine and for cached re-dispatches. It holds device tensors and the
-    buffer that made them: keep it until the backward pass has used it.
+    """What a dispatch leaves for its combine and cached re-dispatches; keep it until the backward has used it.
 
     Attributes:
         buffer: The buffer that dispatched; combine runs on it.
@@ -156,9 +133,7 @@ class DispatchHandle:
         num_tokens: Rows of the dispatch input on this rank (``T``); combine returns this many rows.
         num_topk: Top-k of the routing (``K``).
         num_recv_rows: Rows of the received tensor (the worst case without host sync).
-        device_counts: ``(tokens_per_expert, num_valid_rows)`` when the dispatch computed them, else derived when
-            first asked for.
-        host_counts: Host counts when the dispatch read them, else derived when first asked for.
+        device_counts, host_counts: Counts the dispatch computed anyway, else derived when first asked for.
     """
 
     buffer: "DispatchBackend"
@@ -199,14 +174,9 @@ class DispatchHandle:
 
 
 class DispatchResult(NamedTuple):
-    """What a dispatch returns.
-
-    Attributes:
-        recv_x: Received rows ``[N, H]`` (an FP8 pair when one was dispatched).
-        recv_topk_idx: Compact: ``[N, K]`` int64 local expert ids (-1 = another rank's). Expand: None.
-        recv_topk_weights: Compact ``[N, K]`` / expand ``[N]`` fp32 weights, or None when none were dispatched.
-        handle: The handle for combine.
-    """
+    """What a dispatch returns: received rows ``recv_x`` ``[N, H]`` (an FP8 pair when one was dispatched), compact
+    ``[N, K]`` int64 local expert ids (-1: another rank's; None for expand), fp32 weights (``[N, K]`` / ``[N]``, None
+    when none were dispatched) and the ``handle`` for combine."""
 
     recv_x: HiddenStates
     recv_topk_idx: Optional[torch.Tensor]
@@ -227,8 +197,7 @@ class CombineOutput(NamedTuple):
 
 
 class DispatchBackend(ABC):
-    """A backend: the class names a way to communicate, each instance is one communication buffer bound to one
-    process group. Subclasses register under :attr:`name` (:mod:`megatron_deepepv2.backends`); construction and
+    """A backend class; each instance is one communication buffer on one process group. Construction and
     :meth:`destroy` are collective over ``group``; inputs arrive checked (:mod:`megatron_deepepv2.validation`).
 
     Args:
@@ -236,9 +205,7 @@ class DispatchBackend(ABC):
         spec: What the buffer is built for.
     """
 
-    #: Registry name.
-    name: ClassVar[str]
-    #: Static limits checked before communication.
+    name: ClassVar[str]  #: registry name
     limits: ClassVar[BackendLimits]
 
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
@@ -271,8 +238,7 @@ class DispatchBackend(ABC):
     @abstractmethod
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                         streams: Streams = SYNC) -> DispatchResult:
-        """Repeats the routing of ``handle`` for new data ``[T, H]`` (no layout computation, no host sync); the
-        output is in the layout of ``handle``, which it returns unchanged."""
+        """Repeats the routing of ``handle`` for new ``[T, H]`` data, without host sync, in its layout."""
 
     @abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
@@ -280,11 +246,9 @@ class DispatchBackend(ABC):
         """Sums every token's expert outputs back on the rank the token came from.
 
         Args:
-            x: Rows in the receive layout of ``handle`` (compact ``[N, H]``: the per-rank partial sum of the token's
-                local experts; expand ``[N_expanded, H]``: one row per selection).
+            x: Rows in the receive layout of ``handle`` (compact ``[N, H]``, expand ``[N_expanded, H]``).
             handle: Handle of the dispatch being reversed.
-            topk_weights: Optional weights in the receive layout (``[N, K]`` compact, ``[N_expanded]`` expand),
-                gathered back per top-k slot from the slot's owning rank.
+            topk_weights: Weights in the receive layout (``[N, K]`` / ``[N_expanded]``), gathered back per slot.
             streams: How it orders the communication stream.
         """
 
