@@ -29,6 +29,11 @@ BUFFER = {"buffer": True}
 #: about: the test suite's Megatron-LM tree with a native deepepv2 and the DeepEP and NCCL trees of the README's GPU
 #: test; and the node identity of :mod:`megatron_deepepv2.topology`, which differs per node.
 OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES", "MEGATRON_DEEPEPV2_NODE_ID")
+#: Variables of settings that are gone, and what to do instead (their WARNING says so).
+REMOVED_VARIABLES = {
+    "MEGATRON_DEEPEPV2_LAYOUT": "Megatron layers always dispatch in the expand layout, and direct callers pass layout= "
+                                "to megatron_deepepv2.dispatch(); unset it",
+}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -135,6 +140,10 @@ def _warn_unread_variables(environ: typing.Mapping[str, str]) -> None:
     known = setting_variables()
     for variable in sorted(environ):
         if not variable.startswith(_ENV_PREFIX) or variable in known or variable in OTHER_VARIABLES:
+            continue
+        if variable in REMOVED_VARIABLES:
+            logger.warning("%s is set, but no megatron_deepepv2 setting reads it any more: %s.", variable,
+                           REMOVED_VARIABLES[variable])
             continue
         # Compared without the common prefix, which would make every pair look alike.
         closest = difflib.get_close_matches(variable[len(_ENV_PREFIX):], [k[len(_ENV_PREFIX):] for k in known], n=1,

@@ -92,26 +92,6 @@ def test_moe_layer_with_capacity_factor() -> None:
     run_distributed(_parity, 2, "expand", [16, 16], 0.5, 1, timeout=180)
 
 
-def test_megatron_layers_have_no_layout_setting() -> None:
-    """Megatron layers always dispatch in the expand layout; a layout variable in the environment is read by nothing
-    and says so (direct callers choose their layout per call)."""
-    import dataclasses
-    import logging
-
-    from megatron_deepepv2.config import DeepepV2Settings
-
-    assert "layout" not in {f.name for f in dataclasses.fields(DeepepV2Settings)}
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("megatron_deepepv2.config").addHandler(handler)
-    try:
-        DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_" + "LAYOUT": "compact"})
-    finally:
-        logging.getLogger("megatron_deepepv2.config").removeHandler(handler)
-    assert any("no megatron_deepepv2 setting reads it" in r.getMessage() for r in records), records
-
-
 @pytest.mark.parametrize("alignment", [16, 32])
 def test_moe_layer_expand_alignment_pads_once(alignment: int) -> None:
     reports = run_distributed(_parity, 2, "expand", [16, 8], None, alignment, timeout=180)

@@ -14,7 +14,7 @@ import megatron_deepepv2 as dv2
 from megatron_deepepv2 import backends
 from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend, register_backend, resolve_backend
 from megatron_deepepv2.backends.deepep import import_deep_ep
-from megatron_deepepv2.config import OTHER_VARIABLES, DeepepV2Settings, setting_variables
+from megatron_deepepv2.config import OTHER_VARIABLES, REMOVED_VARIABLES, DeepepV2Settings, setting_variables
 from megatron_deepepv2.validation import check_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,5 +236,14 @@ def test_every_variable_the_repository_names_is_read_by_something() -> None:
         if path.is_file() and path.suffix in (".py", ".md", ".sh", ".json", ".toml", ".yml", ".yaml", ""):
             names.update(re.findall(PREFIX + r"[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
     assert {PREFIX + "BACKEND", PREFIX + "EXPERTS", PREFIX + "README_TREES"} <= names  # the scan sees them
-    unread = sorted(names - set(setting_variables()) - set(OTHER_VARIABLES))
+    unread = sorted(names - set(setting_variables()) - set(OTHER_VARIABLES) - set(REMOVED_VARIABLES))
     assert not unread, f"named in the repository but read by no setting and not in config.OTHER_VARIABLES: {unread}"
+
+
+def test_a_removed_variable_says_what_to_do_instead(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="megatron_deepepv2.config"):
+        settings = DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_LAYOUT": "compact"})
+    assert settings == DeepepV2Settings()
+    assert "MEGATRON_DEEPEPV2_LAYOUT is set, but no megatron_deepepv2 setting reads it any more: Megatron layers " \
+           "always dispatch in the expand layout" in caplog.text, caplog.text
+    assert not set(REMOVED_VARIABLES) & set(setting_variables())
