@@ -19,12 +19,12 @@ def _dispatch(num_tokens: int, hidden: int, topk: int = 2, **kwargs):
 def _lifecycle_worker(rank: int, world: int) -> dict:
     stats = buffers.buffer_stats()
     # First build: capacity = largest first batch over the ranks (5 on rank 1), rounded to a power of two.
-    first = _dispatch(3 + 2 * rank, hidden=8).handle.backend
+    first = _dispatch(3 + 2 * rank, hidden=8).handle.buffer
     assert first.spec.num_max_tokens_per_rank == 8
     assert stats.builds == 1
     # Steady state: same shape key and within capacity -> the same buffer, no build.
     for tokens in (1, 8, 0):
-        assert _dispatch(tokens, hidden=8).handle.backend is first
+        assert _dispatch(tokens, hidden=8).handle.buffer is first
     assert stats.builds == 1
     # Every dispatch records its handle; the records of dropped handles are pruned, so they stay bounded.
     kept = [_dispatch(1, hidden=8) for _ in range(3)]
@@ -35,15 +35,15 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     assert {id(ref()) for ref in records if ref() is not None} == {id(result.handle) for result in kept}
     del kept
     # Another hidden size -> a buffer of its own (collective build); the first one stays in use for its layers.
-    second = _dispatch(2, hidden=16).handle.backend
+    second = _dispatch(2, hidden=16).handle.buffer
     assert second is not first and second.spec.hidden == 16 and second.spec.num_max_tokens_per_rank == 8
-    assert _dispatch(2, hidden=8).handle.backend is first and stats.builds == 2
+    assert _dispatch(2, hidden=8).handle.buffer is first and stats.builds == 2
     # Top-k is part of the key too.
-    third = _dispatch(2, hidden=16, topk=3).handle.backend
+    third = _dispatch(2, hidden=16, topk=3).handle.buffer
     assert third is not second and stats.builds == 3
     # A batch above the capacity on every rank grows that key's buffer to the max over ranks (power of two).
-    fourth = _dispatch(9 + rank * 10, hidden=16, topk=3).handle.backend
-    assert fourth.spec.num_max_tokens_per_rank == 32 and stats.rebuilds_for_capacity == 1
+    fourth = _dispatch(9 + rank * 10, hidden=16, topk=3).handle.buffer
+    assert fourth.spec.num_max_tokens_per_rank == 32 and stats.rebuilds == 1
     assert buffers.active_buffers() == [first, second, fourth]
     # The superseded buffer is kept while handles use it (none here: the dispatch's result is gone); no dispatch
     # releases it (nothing runs per call for retired buffers), the next build on the group does, on every rank.
@@ -63,12 +63,12 @@ def _uneven_growth_worker(rank: int, world: int) -> None:
     _dispatch(4, hidden=8)
     assert buffers.active_buffers()[0].spec.num_max_tokens_per_rank == 4
     result = _dispatch(20 if rank == 0 else 1, hidden=8)
-    assert result.handle.backend.spec.num_max_tokens_per_rank == 32
+    assert result.handle.buffer.spec.num_max_tokens_per_rank == 32
 
 
 def _configured_capacity_worker(rank: int, world: int) -> None:
     with dv2.settings_override(num_max_tokens_per_rank=100):
-        backend = _dispatch(3, hidden=8).handle.backend
+        backend = _dispatch(3, hidden=8).handle.buffer
         assert backend.spec.num_max_tokens_per_rank == 100  # as configured: no power-of-two inflation
     # An explicit per-call capacity smaller than the batch is an input error on every rank.
     try:
@@ -121,7 +121,7 @@ def test_each_build_logs_its_memory_and_the_capacity_it_was_sized_for() -> None:
         (logs, _) = run_distributed(_build_logs, 2, backend, env={"LOCAL_WORLD_SIZE": "2"})
         assert len(logs) == 2, logs
         assert logs[0] == f"Built the {backend} buffer: {mib} of device memory, sized for 8 tokens per rank " \
-                          "(hidden 8, top-k 2, BF16, 2 ranks)", logs
+                          "(hidden 8, top-k 2, 2 ranks)", logs
         assert "sized for 32 tokens per rank" in logs[1], logs
 
 
@@ -142,7 +142,7 @@ def _memo_worker(rank: int, world: int, configured: bool) -> list[int]:
         patch.setattr(validation, "check_dispatch_inputs", counting)
         kwargs = {"num_max_tokens_per_rank": 32} if configured else {}
         # Variable-length batches (the same on every rank, so that a learnt capacity grows on all together).
-        backends = [_dispatch(tokens, hidden=8, **kwargs).handle.backend for tokens in (5, 17, 3, 32, 0, 11, 8)]
+        backends = [_dispatch(tokens, hidden=8, **kwargs).handle.buffer for tokens in (5, 17, 3, 32, 0, 11, 8)]
         assert checked == [5], checked  # the first call only: the others differ in the token count alone
         if configured:
             assert all(b is backends[0] for b in backends) and buffers.buffer_stats().builds == 1
@@ -161,7 +161,7 @@ def _memo_worker(rank: int, world: int, configured: bool) -> list[int]:
         # Other static facts change the signature: checked again, and a bad one raises its clear error.
         with pytest.raises(TypeError, match="topk_idx has dtype torch.int32"):
             dv2.dispatch(x, idx.int(), w, 4, **kwargs)
-        assert _dispatch(9, hidden=8, **kwargs).handle.backend is backends[-1]  # not checked again; the lease kept
+        assert _dispatch(9, hidden=8, **kwargs).handle.buffer is backends[-1]  # not checked again; the lease kept
     return checked
 
 
@@ -197,11 +197,11 @@ def _release_worker(rank: int, world: int) -> dict:
         patch.setattr(ReferenceBackend, "destroy", recording_destroy)
         assert buffers.release_retired_buffers() == 0 and reduces == []  # nothing built: nothing to agree on
         first = _dispatch(4, hidden=8)  # capacity 4
-        old = first.handle.backend
+        old = first.handle.buffer
         before = len(reduces)
         assert buffers.release_retired_buffers() == 0 and len(reduces) == before  # nothing retired: no collective
         grown = _dispatch(10, hidden=8)  # every rank exceeds: grows to 16, the old buffer retires
-        assert grown.handle.backend is not old and old.retired and buffers.retired_buffers() == [old]
+        assert grown.handle.buffer is not old and buffers.retired_buffers() == [old]
         dv2.combine(first.recv_x, first.handle)  # a handle of the retired buffer still works
         # Rank 0 still holds a handle of the old buffer (a pending backward): kept on every rank.
         if rank == 1:
@@ -214,7 +214,7 @@ def _release_worker(rank: int, world: int) -> dict:
         assert buffers.release_retired_buffers() == 1 and destroyed == [old] and buffers.retired_buffers() == []
         before = len(reduces)
         assert buffers.release_retired_buffers() == 0 and len(reduces) == before  # nothing retired again
-        assert buffers.active_buffers() == [grown.handle.backend] and grown.handle.backend not in destroyed
+        assert buffers.active_buffers() == [grown.handle.buffer] and grown.handle.buffer not in destroyed
     return {"released": buffers.buffer_stats().released}
 
 

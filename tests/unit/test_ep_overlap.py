@@ -8,8 +8,8 @@ dispatcher without overlap (the oracle: no deepepv2 code on its path), in losses
 gradient.
 
 Runs on 2 gloo CPU ranks (Megatron's streams and events are no-op stand-ins there, so the interleaving is
-exactly the schedule's program order) over the reference backend in both layouts and over the DeepEP adapter
-(expand) on a stand-in that frees its buffer on destroy. ``tests/functional/deepep_cases.py`` runs the same comparison on
+exactly the schedule's program order) over the reference backend and over the DeepEP adapter on a stand-in that
+frees its buffer on destroy. ``tests/functional/deepep_cases.py`` runs the same comparison on
 GPUs over ElasticBuffer, with real streams.
 """
 
@@ -125,7 +125,7 @@ def _overlapped_steps(model, rank: int) -> tuple[list, dict]:
 
 
 def compare_overlap_with_alltoall(rank: int, shape: OverlapShape) -> None:
-    """The combined 1F1B schedule over deepepv2 (the configured backend and layout) against plain alltoall steps.
+    """The combined 1F1B schedule over deepepv2 (the configured backend) against plain alltoall steps.
 
     Args:
         rank: This rank (selects its micro-batches).
@@ -153,7 +153,7 @@ def compare_overlap_with_alltoall(rank: int, shape: OverlapShape) -> None:
         close(grads[name], want, name)
 
 
-def _overlap_case(rank: int, world: int, backend: str, layout: str) -> None:
+def _overlap_case(rank: int, world: int, backend: str) -> None:
     from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
 
     install_cpu_shims()
@@ -162,10 +162,10 @@ def _overlap_case(rank: int, world: int, backend: str, layout: str) -> None:
         from tests.unit.test_deepep_adapter import use_stand_in_backend
 
         use_stand_in_backend()
-    dv2.configure(backend=backend, layout=layout, validate=False)
+    dv2.configure(backend=backend, validate=False)
     compare_overlap_with_alltoall(rank, CPU_SHAPE)
 
 
-@pytest.mark.parametrize("backend,layout", [("reference", "expand"), ("deepep", "expand")])
-def test_combined_1f1b_schedule_matches_alltoall_without_overlap(backend: str, layout: str) -> None:
-    run_distributed(_overlap_case, 2, backend, layout, timeout=240, env={"LOCAL_WORLD_SIZE": "2"})
+@pytest.mark.parametrize("backend", ["reference", "deepep"])
+def test_combined_1f1b_schedule_matches_alltoall_without_overlap(backend: str) -> None:
+    run_distributed(_overlap_case, 2, backend, timeout=240, env={"LOCAL_WORLD_SIZE": "2"})

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2.backends import ExpertLayout, worst_case_recv_rows
+from megatron_deepepv2.layout import ExpertLayout, worst_case_recv_rows
 from megatron_deepepv2.testing.moe_model import dispatch_stages
 from tests.distributed import run_distributed
 from tests.oracle import dense_moe, experts_on_compact, experts_on_expand, make_problem
@@ -67,7 +67,7 @@ def _roundtrip(rank: int, world: int, layout: str, alignment: int) -> None:
     with no_host_reads():
         result = dv2.dispatch(x, idx, w, EXPERTS, host_sync=False, **kwargs)
     handle = result.handle
-    assert handle.tokens_per_expert_list is None and not handle.host_sync
+    assert handle.tokens_per_expert_list is None and not handle.config.host_sync
     expected_rows = worst_case_recv_rows(
         ExpertLayout.parse(layout), group_size=world, num_max_tokens_per_rank=CAPACITY, num_topk=TOPK,
         num_local_experts=local, expert_alignment=alignment,
@@ -121,15 +121,15 @@ def test_no_host_sync_roundtrip_alignment_128() -> None:
 
 
 def _cached_and_fp8(rank: int, world: int) -> None:
-    dv2.configure(num_max_tokens_per_rank=CAPACITY, no_host_sync=True, validate=False)  # the setting
+    dv2.configure(num_max_tokens_per_rank=CAPACITY, host_sync=False, validate=False)  # the setting
     problem = make_problem(9, TOKENS[world], HIDDEN, EXPERTS, TOPK)
     rows = problem.rows(rank)
     idx, w = problem.topk_idx[rows], problem.topk_weights[rows]
     for layout in ("compact", "expand"):
         first = dv2.dispatch(problem.x[rows], idx, w, EXPERTS, layout=layout, expert_alignment=4)
-        assert not first.handle.host_sync
+        assert not first.handle.config.host_sync
         with no_host_reads():
-            cached = first.handle.backend.cached_dispatch(problem.grad_out[rows], first.handle, w)
+            cached = first.handle.buffer.cached_dispatch(problem.grad_out[rows], first.handle, w)
         fresh = dv2.dispatch(problem.grad_out[rows], idx, w, EXPERTS, layout=layout, expert_alignment=4)
         assert torch.equal(cached.recv_x, fresh.recv_x)
         x_fp8 = problem.x[rows].to(torch.float8_e4m3fn)
@@ -146,8 +146,8 @@ def test_no_host_sync_cached_dispatch_and_fp8() -> None:
 def test_no_host_sync_setting_from_environment() -> None:
     from megatron_deepepv2.config import DeepepV2Settings
 
-    assert DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1"}).no_host_sync is True
-    assert DeepepV2Settings.from_env({}).no_host_sync is False
+    assert DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1"}).host_sync is False
+    assert DeepepV2Settings.from_env({}).host_sync is True
     with pytest.raises(ValueError, match="MEGATRON_DEEPEPV2_NO_HOST_SYNC='maybe' is not a boolean"):
         DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "maybe"})
 
@@ -155,9 +155,10 @@ def test_no_host_sync_setting_from_environment() -> None:
 def test_deepep_rejects_no_host_sync_with_deterministic() -> None:
     from megatron_deepepv2.backends import DeepEPBackend
 
-    problem = DeepEPBackend.preflight(host_sync=False, deterministic=True)
-    assert isinstance(problem, ValueError) and "deterministic" in str(problem)
-    assert DeepEPBackend.preflight(host_sync=False, deterministic=False) is None
+    with pytest.raises(ValueError, match="cannot be combined with deterministic mode"):
+        dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
+    assert dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=False).host_sync is False
+    assert dv2.resolve_config(backend=DeepEPBackend, host_sync=True, deterministic=True).settings.deterministic
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def _moe_layer(rank: int, world: int, alignment: int) -> dict:
     moe_utils.get_align_size_for_quantization = lambda config: alignment
     shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3)
     reference = build_moe_layer(shape, "alltoall")
-    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=16, layout="expand", validate=False)
+    dv2.configure(host_sync=False, num_max_tokens_per_rank=16, validate=False)
     layer = build_moe_layer(shape, "deepepv2", sync_free_experts=True)
     layer.load_state_dict(reference.state_dict())  # same parameters as SequentialMLP
     x = torch.randn([12, 5, 16, 9][rank], 1, shape.hidden, generator=torch.Generator().manual_seed(rank))
@@ -242,12 +243,9 @@ def _unsupported(rank: int, world: int) -> list[str]:
 
     errors = []
     shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=4, topk=2)
-    with dv2.settings_override(no_host_sync=True):
+    with dv2.settings_override(host_sync=False):
         with pytest.raises(ValueError) as excinfo:
             build_moe_layer(shape, "deepepv2")  # plain SequentialMLP
-        errors.append(str(excinfo.value))
-        with dv2.settings_override(layout="compact"), pytest.raises(ValueError) as excinfo:
-            build_moe_layer(shape, "deepepv2", sync_free_experts=True)
         errors.append(str(excinfo.value))
     build_moe_layer(shape, "deepepv2")  # with host sync SequentialMLP is fine
     return errors
@@ -257,7 +255,6 @@ def test_no_host_sync_rejects_experts_that_read_counts_on_the_host() -> None:
     errors = run_distributed(_unsupported, 2)[0]
     assert "SequentialMLP reads tokens_per_expert on the host" in errors[0]
     assert "SyncFreeSequentialMLP" in errors[0]
-    assert "Megatron layers dispatch in the expand layout only" in errors[1]
 
 
 def _experts_setting(rank: int, world: int) -> list[str]:
@@ -269,7 +266,7 @@ def _experts_setting(rank: int, world: int) -> list[str]:
 
     shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3)
     reference = {name: build_moe_layer(shape, name) for name in ("alltoall", "allgather")}
-    with dv2.settings_override(no_host_sync=True, experts="sync_free", num_max_tokens_per_rank=16, validate=False):
+    with dv2.settings_override(host_sync=False, experts="sync_free", num_max_tokens_per_rank=16, validate=False):
         layers = {name: build_moe_layer(shape, name) for name in ("alltoall", "allgather", "deepepv2")}
     assert all(type(layer.experts) is SequentialMLP for layer in reference.values())
     x = torch.randn(12, 1, shape.hidden, generator=torch.Generator().manual_seed(rank))
@@ -300,6 +297,7 @@ def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -
 
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
+    from megatron_deepepv2 import validation
     from megatron_deepepv2.experts import sync_free_submodules
 
     class GroupedExperts(torch.nn.Module):
@@ -309,15 +307,16 @@ def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -
         sync_free_submodules(MoESubmodules(experts=GroupedExperts))
     assert dataclasses.is_dataclass(MoESubmodules)
     monkeypatch.setenv("MEGATRON_DEEPEPV2_EXPERTS", "grouped")
+    settings = dv2.DeepepV2Settings.from_env()  # read as given; the rules run where settings are used
     with pytest.raises(ValueError, match="MEGATRON_DEEPEPV2_EXPERTS: 'spec' for"):
-        dv2.DeepepV2Settings.from_env()
+        validation.check_settings(settings)
 
 
 def _graphs_left_after_a_step(rank: int, world: int, no_host_sync: bool) -> list[str]:
     _setup()
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
-    dv2.configure(no_host_sync=no_host_sync, num_max_tokens_per_rank=16, layout="expand", validate=False)
+    dv2.configure(host_sync=not no_host_sync, num_max_tokens_per_rank=16, validate=False)
     layer = build_moe_layer(TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3), "deepepv2",
                             sync_free_experts=no_host_sync)
     x = torch.randn(12, 1, 32, generator=torch.Generator().manual_seed(rank)).requires_grad_()
@@ -372,7 +371,7 @@ def _bounded_layer(rank: int, world: int, factor: float) -> dict:
     _setup()
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
-    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=BOUND_CAPACITY, layout="expand", validate=False)
+    dv2.configure(host_sync=False, num_max_tokens_per_rank=BOUND_CAPACITY, validate=False)
     plain = build_moe_layer(TinyMoEConfig(**BOUND_SHAPE), "deepepv2", sync_free_experts=True)
     bounded = build_moe_layer(TinyMoEConfig(**BOUND_SHAPE, extra={"moe_expert_rank_capacity_factor": factor}),
                               "deepepv2", sync_free_experts=True)
@@ -449,14 +448,11 @@ def test_receive_bound_drops_rows_past_it_counts_them_and_flags_over_budget() ->
 
 def _bound_config_errors(rank: int, world: int) -> list[str]:
     _setup()
-    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, transformer_config
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, transformer_config
 
     errors = []
     with pytest.raises(ValueError) as excinfo:
         transformer_config(TinyMoEConfig(extra={"moe_expert_rank_capacity_factor": 0.0}), "deepepv2")
-    errors.append(str(excinfo.value))
-    with dv2.settings_override(layout="compact"), pytest.raises(ValueError) as excinfo:
-        build_moe_layer(TinyMoEConfig(extra={"moe_expert_rank_capacity_factor": 1.5}), "deepepv2")
     errors.append(str(excinfo.value))
     # Megatron alone would refuse the factor for any flex backend but hybridep / ncclep; deepepv2 accepts it.
     config = transformer_config(TinyMoEConfig(extra={"moe_expert_rank_capacity_factor": 1.5}), "deepepv2")
@@ -468,8 +464,7 @@ def _bound_config_errors(rank: int, world: int) -> list[str]:
 def test_receive_bound_configuration_errors() -> None:
     errors = run_distributed(_bound_config_errors, 2)[0]
     assert "must be a positive factor" in errors[0]
-    assert "MEGATRON_DEEPEPV2_LAYOUT=expand" in errors[1]
-    assert errors[2] == "1.5"
+    assert errors[1] == "1.5"
 
 
 def _rebuild_with_micro_batches_in_flight(rank: int, world: int, layout: str) -> dict:
@@ -477,7 +472,7 @@ def _rebuild_with_micro_batches_in_flight(rank: int, world: int, layout: str) ->
     for its backward. The dispatches after the rebuild, and every backward, run with host reads forbidden."""
     from megatron_deepepv2 import buffers
 
-    dv2.configure(no_host_sync=True, validate=False, num_max_tokens_per_rank=None)
+    dv2.configure(host_sync=False, validate=False, num_max_tokens_per_rank=None)
     released_before = buffers.buffer_stats().released
 
     def micro_batch(seed: int, tokens: list[int]):

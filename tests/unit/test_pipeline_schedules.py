@@ -98,11 +98,11 @@ def _step(chunks, config) -> tuple[list, dict]:
     return losses, grads
 
 
-def _schedule_case(rank: int, world: int, virtual_stages, layout: str, no_host_sync: bool) -> dict:
+def _schedule_case(rank: int, world: int, virtual_stages, no_host_sync: bool) -> dict:
     from megatron.core import parallel_state
 
     _setup(virtual_stages)
-    dv2.configure(layout=layout, no_host_sync=no_host_sync, validate=False,
+    dv2.configure(host_sync=not no_host_sync, validate=False,
                   num_max_tokens_per_rank=SEQ if no_host_sync else None)
     want_losses, want_grads = _step(*_model_chunks("alltoall", virtual_stages, no_host_sync))
     chunks, config = _model_chunks("deepepv2", virtual_stages, no_host_sync)
@@ -124,13 +124,12 @@ def _schedule_case(rank: int, world: int, virtual_stages, layout: str, no_host_s
             "chunks": len(chunks), "expert_grads": sum("experts" in name for name in grads)}
 
 
-@pytest.mark.parametrize("virtual_stages,layout,no_host_sync", [
-    (2, "expand", False), (2, "expand", True),  # interleaved 1F1B
-    (None, "expand", False),  # 1F1B without interleaving
+@pytest.mark.parametrize("virtual_stages,no_host_sync", [
+    (2, False), (2, True),  # interleaved 1F1B
+    (None, False),  # 1F1B without interleaving
 ])
-def test_pipeline_schedule_matches_alltoall_and_replays_bit_exact(virtual_stages, layout: str,
-                                                                 no_host_sync: bool) -> None:
-    reports = run_distributed(_schedule_case, 4, virtual_stages, layout, no_host_sync, timeout=300,
+def test_pipeline_schedule_matches_alltoall_and_replays_bit_exact(virtual_stages, no_host_sync: bool) -> None:
+    reports = run_distributed(_schedule_case, 4, virtual_stages, no_host_sync, timeout=300,
                               env={"LOCAL_WORLD_SIZE": "4"})
     # Pipeline rank 1 (the last stage) computes every micro-batch's loss; every rank has expert gradients.
     assert sorted(r["stage"] for r in reports) == [0, 0, 1, 1], reports

@@ -44,7 +44,7 @@ def _setup() -> None:
 def _layers(factor: float, no_host_sync: bool):
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
-    dv2.configure(no_host_sync=no_host_sync, num_max_tokens_per_rank=CAPACITY, layout="expand", validate=False)
+    dv2.configure(host_sync=not no_host_sync, num_max_tokens_per_rank=CAPACITY, validate=False)
     plain = build_moe_layer(TinyMoEConfig(**SHAPE), "deepepv2", sync_free_experts=True)
     bounded = build_moe_layer(TinyMoEConfig(**SHAPE, extra={"moe_expert_rank_capacity_factor": factor}),
                               "deepepv2", sync_free_experts=True)
@@ -61,21 +61,22 @@ def _step(layer, x: torch.Tensor, grad: torch.Tensor, hold_expert_grad: bool = F
         ops.DispatchFunction.forward, ops.CombineFunction.backward, ops.DispatchFunction.backward)
 
     def on_dispatch_forward(ctx, *args):
-        recv_x, recv_weights = dispatch_forward(ctx, *args)
+        outputs = dispatch_forward(ctx, *args)  # (recv_x, recv_weights, recv_scales, recv_idx, handle)
+        recv_x = outputs[0]
         record["recv_ptr"], record["recv_nbytes"] = recv_x.untyped_storage().data_ptr(), recv_x.untyped_storage().nbytes()
-        return recv_x, recv_weights
+        return outputs
 
     def on_combine_backward(ctx, grad_out):
         result = combine_backward(ctx, grad_out)
         record["combine_grad_ptr"] = result[0].untyped_storage().data_ptr()
         return result
 
-    def on_dispatch_backward(ctx, grad_recv_x, grad_recv_weights):
+    def on_dispatch_backward(ctx, grad_recv_x, grad_recv_weights, *grads_of_the_rest):
         record["dispatch_grad_ptr"] = grad_recv_x.untyped_storage().data_ptr()
         record["dispatch_grad_rows"] = grad_recv_x.shape[0]
-        return dispatch_backward(ctx, grad_recv_x, grad_recv_weights)
+        return dispatch_backward(ctx, grad_recv_x, grad_recv_weights, *grads_of_the_rest)
 
-    guard = contextlib.nullcontext if layer.token_dispatcher._comm_manager.host_sync else no_host_reads
+    guard = contextlib.nullcontext if layer.token_dispatcher._comm_manager.dispatch_config.host_sync else no_host_reads
     ops.DispatchFunction.forward = staticmethod(on_dispatch_forward)
     ops.CombineFunction.backward = staticmethod(on_combine_backward)
     ops.DispatchFunction.backward = staticmethod(on_dispatch_backward)
@@ -257,7 +258,7 @@ def _rerun(rank: int, world: int, factor: float) -> dict:
     # The paged stash's own flags are made on "cuda" (the stash is off here): on the CPU instead. The budget side --
     # check_over_budget, the rerun, clearing and restoring the factor, reset_over_budget -- is Megatron's code.
     paged_stash.torch = cpu_shims._TorchOnCpu()
-    dv2.configure(no_host_sync=True, num_max_tokens_per_rank=CAPACITY, layout="expand", validate=False)
+    dv2.configure(host_sync=False, num_max_tokens_per_rank=CAPACITY, validate=False)
     model, config = _gpt(factor)
     oracle, _ = _gpt(None)  # the same parameters, dropless
     dispatcher = model.decoder.layers[0].mlp.token_dispatcher
@@ -381,7 +382,7 @@ def _finalize_hook(rank: int, world: int) -> dict:
     from megatron_deepepv2 import buffers
 
     buffers.release_retired_buffers = lambda: calls.append("release") or 0
-    dv2.configure(num_max_tokens_per_rank=CAPACITY, layout="expand", validate=False)
+    dv2.configure(num_max_tokens_per_rank=CAPACITY, validate=False)
     model, config = _gpt(None)
     config.finalize_model_grads_func = builder_finalize
     args = dict(model=[model], forward_step_func=_forward_step, num_microbatches=2, seq_length=SEQ,
