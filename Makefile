@@ -55,7 +55,7 @@ test-compat: $(STAMP)
 	  PYTHONPATH=$(CURDIR)/$$dir $(PY) -m pytest -n $(TEST_WORKERS) -q $(COMPAT_TESTS) || exit 1; \
 	done
 
-# Coexistence with a native deepepv2: the policy tests, then the Megatron-facing tests, against MEGATRON_LM's tree.
+# Coexistence with a native deepepv2: the manager-choice tests, then the Megatron-facing tests, against MEGATRON_LM's tree.
 test-native: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-native MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
 	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n $(TEST_WORKERS) -q -rs tests/unit/test_native_megatron.py
