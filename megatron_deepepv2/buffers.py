@@ -33,13 +33,8 @@ _BUFFER_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(DeepepV2Setting
 
 @dataclass
 class BufferStats:
-    """Counters of the buffer registry, for logs and tests.
-
-    Attributes:
-        builds: Buffers built since the process started (first builds and rebuilds).
-        rebuilds: Rebuilds caused by a batch above the token limit.
-        released: Retired buffers destroyed once no handle used them.
-    """
+    """Counters of the registry since the process started: ``builds`` (first builds and rebuilds), ``rebuilds`` (for
+    a batch above the token limit) and ``released`` (retired buffers destroyed once no handle used them)."""
 
     builds: int = 0
     rebuilds: int = 0

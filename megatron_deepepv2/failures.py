@@ -200,7 +200,7 @@ def begin_build(group: dist.ProcessGroup, reason: str) -> str:
 
     Args:
         group: The group building.
-        reason: Why this rank builds, as a clause (e.g. "dispatches 20 tokens, more than the token capacity 8").
+        reason: Why this rank builds, as a clause (e.g. "dispatches 20 tokens, more than the token limit 8").
     """
     build = _builds[group] = _builds.get(group, 0) + 1
     store = _store()
@@ -219,7 +219,7 @@ def pending_builds(group: dist.ProcessGroup) -> dict[int, str]:
 
     The builds of a group are collective and counted alike on every rank, so a peer at build ``n + 1`` of this call
     while this rank has started ``n`` waits for this rank there: this rank did not need the build (its batch fit the
-    capacity, or it dispatches another shape) and went on to communicate, where that peer will not join it. A peer at
+    token limit, or it dispatches another shape) and went on to communicate, where that peer will not join it. A peer at
     that build in a later call is left out: it has done its part of this rank's call.
     """
     store = _store()

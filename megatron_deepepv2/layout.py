@@ -79,7 +79,7 @@ def worst_case_recv_rows(
     Args:
         layout: Receive layout.
         group_size: Ranks in the group (``G``).
-        num_max_tokens_per_rank: The buffer's token capacity (``T_max``).
+        num_max_tokens_per_rank: The buffer's token limit (``T_max``).
         num_topk: Top-k of the routing (``K``).
         num_local_experts: Experts per rank (``E_local``).
         expert_alignment: Expand-layout block alignment.

@@ -61,18 +61,10 @@ def dispatch_config_for(config: Any) -> DispatchConfig:
 
 
 class _DeepepV2Manager(_DispatchManager):
-    """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``.
-
-    Args:
-        group: The TPxEP process group of the flex dispatcher.
-        num_local_experts: Experts on this rank.
-        router_topk: Top-k over the TPxEP group (``tp * moe_router_topk``).
-        num_experts: Experts over the TPxEP group (``tp * num_moe_experts``).
-        config: Megatron ``TransformerConfig``.
-
-    Raises:
-        ValueError, TypeError, ImportError: As :func:`dispatch_config_for` and :func:`megatron_deepepv2.ops.bind`.
-    """
+    """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``, built as Megatron's flex dispatcher builds
+    its managers: the TPxEP ``group``, ``num_local_experts``, ``router_topk`` and ``num_experts`` over that group
+    (``tp *`` Megatron's), and the ``TransformerConfig``. Raises as :func:`dispatch_config_for` and
+    :func:`megatron_deepepv2.ops.bind`."""
 
     def __init__(self, group: dist.ProcessGroup, num_local_experts: int, router_topk: int, num_experts: int,
                  config: Any) -> None:

@@ -8,6 +8,7 @@ Callers -- the Megatron manager and :func:`dispatch` / :func:`combine` -- call :
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -27,7 +28,7 @@ from megatron_deepepv2.backends import (
     Streams,
     resolve_config,
 )
-from megatron_deepepv2.config import get_settings
+from megatron_deepepv2.config import DeepepV2Settings, get_settings
 from megatron_deepepv2.failures import count_call, peer_failure
 from megatron_deepepv2.layout import rows_past_valid
 
@@ -49,16 +50,8 @@ def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> 
 
 
 class Dispatcher:
-    """One configuration's dispatches on one group: the checks that passed and the buffer spec it leases with.
-
-    Args:
-        config: The configuration.
-        group: Expert-parallel process group.
-        num_experts: Global number of experts.
-
-    Raises:
-        ValueError: If ``num_experts`` is not a positive multiple of the group size.
-    """
+    """The dispatches of ``config`` on the expert-parallel ``group`` for ``num_experts`` global experts: the input
+    signature whose checks passed and the buffer spec it leases with (see :func:`bind`)."""
 
     __slots__ = ("config", "group", "num_experts", "_signature", "_spec")
 
@@ -72,14 +65,9 @@ class Dispatcher:
         self._spec: Optional[BufferSpec] = None
 
     def prepare(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> DispatchBackend:
-        """Counts the call, checks what was not checked before and returns the buffer to dispatch on.
-
-        Raises:
-            TypeError, ValueError: Bad input, raised before any communication (with ``validate``, on every rank of
-                the group; else on this rank, and the peers raise a PeerFailure naming it).
-            RuntimeError: A dispatch with host sync inside CUDA-graph capture.
-            PeerFailure: A peer failed in this call's buffer build.
-        """
+        """Counts the call, checks what was not checked before and returns the buffer to dispatch on. Raises
+        TypeError or ValueError for bad input before any communication (with ``validate`` on every rank, else here
+        and a PeerFailure on the peers), RuntimeError for host sync in CUDA-graph capture, PeerFailure for a peer's."""
         config, group, settings = self.config, self.group, self.config.settings
         count_call(group)
         signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
@@ -124,26 +112,16 @@ def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optiona
     """What the static checks of a dispatch depend on but its token count ``T`` (types, dtypes, devices, trailing
     shapes), and ``T``; None when the inputs are not tensors or their row counts differ (the checks then say why)."""
     try:
-        if type(x) is tuple:
-            if len(x) != 2:
-                return None, 0
-            data, scales = x
-            num_tokens = data.shape[0]
-            if scales.shape[0] != num_tokens:
-                return None, 0
-            scales_key = (type(scales), scales.dtype, scales.shape[1:])
-        else:
-            data, scales_key = x, None
-            num_tokens = data.shape[0]
-        if topk_idx.shape[0] != num_tokens:
+        data, scales = x if type(x) is tuple else (x, None)  # a tuple of another length raises: no signature
+        num_tokens = data.shape[0]
+        if (topk_idx.shape[0] != num_tokens or (scales is not None and scales.shape[0] != num_tokens)
+                or (topk_weights is not None and topk_weights.shape[0] != num_tokens)):
             return None, 0
-        weights_key = None
-        if topk_weights is not None:
-            if topk_weights.shape[0] != num_tokens:
-                return None, 0
-            weights_key = (type(topk_weights), topk_weights.dtype, topk_weights.device, topk_weights.shape[1:])
-        return ((type(data), data.dtype, data.device, data.shape[1:], scales_key,
-                 type(topk_idx), topk_idx.dtype, topk_idx.device, topk_idx.shape[1:], weights_key), num_tokens)
+        return ((type(data), data.dtype, data.device, data.shape[1:],
+                 None if scales is None else (type(scales), scales.dtype, scales.shape[1:]),
+                 type(topk_idx), topk_idx.dtype, topk_idx.device, topk_idx.shape[1:],
+                 None if topk_weights is None else (type(topk_weights), topk_weights.dtype, topk_weights.device,
+                                                    topk_weights.shape[1:])), num_tokens)
     except (AttributeError, IndexError, TypeError, ValueError):  # not tensors (or 0-dim): the checks say what is wrong
         return None, 0
 
@@ -322,26 +300,17 @@ def dispatch(
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
 
 
-#: Configurations of dispatch() calls without ``config=``, per arguments, under the settings they were resolved with.
-_resolved: dict[frozenset, DispatchConfig] = {}
-_resolved_under: list = [None]
+@functools.lru_cache(maxsize=64)
+def _resolved(arguments: frozenset, settings: DeepepV2Settings) -> DispatchConfig:
+    return resolve_config(**dict(arguments))
 
 
-def _config_for(settings: dict[str, Any]) -> DispatchConfig:
-    """:func:`resolve_config` of ``settings``, once per distinct settings and process-wide settings."""
-    if _resolved_under[0] is not get_settings():
-        _resolved.clear()
-        _resolved_under[0] = get_settings()
+def _config_for(arguments: dict[str, Any]) -> DispatchConfig:
+    """:func:`resolve_config` of a dispatch() call's ``arguments``, once per arguments and process-wide settings."""
     try:
-        key = frozenset(settings.items())
-    except TypeError:  # an unhashable value: resolve it uncached (and let resolve say what is wrong with it)
-        return resolve_config(**settings)
-    config = _resolved.get(key)
-    if config is None:
-        if len(_resolved) >= 64:  # callers with ever-changing arguments: keep the cache bounded
-            _resolved.clear()
-        config = _resolved[key] = resolve_config(**settings)
-    return config
+        return _resolved(frozenset(arguments.items()), get_settings())
+    except TypeError:  # an unhashable value (or an unknown name): resolve uncached, which says what is wrong
+        return resolve_config(**arguments)
 
 
 def combine(x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = False,
@@ -353,11 +322,7 @@ def combine(x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = Fal
         handle: The handle returned by :func:`dispatch`.
         async_finish, allocate_on_comm_stream: See :func:`dispatch`.
 
-    Returns:
-        ``[T, H]`` combined rows in ``x``'s dtype.
-
-    Raises:
-        TypeError, ValueError: If ``x`` does not fit ``handle`` or the backend (with ``validate``, on every rank).
-        PeerFailure: A peer failed in this call; see :func:`dispatch`.
+    Returns ``[T, H]`` combined rows in ``x``'s dtype. Raises TypeError or ValueError if ``x`` does not fit ``handle``
+    or the backend (with ``validate``, on every rank), and PeerFailure as :func:`dispatch`.
     """
     return CombineFunction.apply(x, handle, _streams(async_finish, allocate_on_comm_stream))

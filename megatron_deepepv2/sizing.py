@@ -2,7 +2,7 @@
 
 DeepEP sizes an ``ElasticBuffer`` from the constructor's MoE shape (``calculate_elastic_buffer_size``: the larger of
 its dispatch and combine layouts, rounded up to 2 MiB) and, on **every** call, asserts on the host that the layout of
-that call (its token capacity, hidden size, scale packs, top-k and element size) fits the buffer. A buffer built for
+that call (its token limit, hidden size, scale packs, top-k and element size) fits the buffer. A buffer built for
 FP8 dispatch is sized for 1-byte rows, but combine's backward is a BF16 *cached* dispatch through the same buffer; so
 the backend sizes for BF16 whatever the dispatch dtype (:func:`buffer_size_arguments`), which also fits every FP8
 dispatch (its rows are never larger than BF16 ones: DeepEP asserts ``4 * ceil(H / 32) <= H``).
@@ -93,7 +93,7 @@ def dispatch_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, ele
     """Buffer bytes one dispatch (fresh or cached) needs (``get_dispatch_buffer_size``).
 
     Args:
-        num_max_tokens_per_rank: Token capacity ``T_max``.
+        num_max_tokens_per_rank: Token limit ``T_max``.
         hidden: Hidden size ``H``.
         num_topk: Top-k ``K``.
         elem_size: Bytes per hidden value of the dispatched tensor (2 BF16, 1 FP8).
@@ -116,7 +116,7 @@ def combine_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, topo
     """Buffer bytes one combine needs (``get_combine_buffer_size``; combine is always BF16).
 
     Args:
-        num_max_tokens_per_rank: Token capacity ``T_max``.
+        num_max_tokens_per_rank: Token limit ``T_max``.
         hidden: Hidden size ``H``.
         num_topk: Top-k ``K``.
         topology: The group's domains.
@@ -143,7 +143,7 @@ def calculated_buffer_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk:
     """The size DeepEP gives a buffer built from an MoE shape (``calculate_elastic_buffer_size``).
 
     Args:
-        num_max_tokens_per_rank: Token capacity ``T_max``.
+        num_max_tokens_per_rank: Token limit ``T_max``.
         hidden: Hidden size ``H``.
         num_topk: Top-k ``K`` (0 sizes for 32, DeepEP's largest).
         use_fp8_dispatch: Size the dispatch layout for FP8 rows with ``ceil(H / 32)`` scale packs.
@@ -168,7 +168,7 @@ def buffer_size_arguments(num_max_tokens_per_rank: int, hidden: int, num_topk: i
     BF16 outgrow the combine layout. A BF16-sized buffer fits every call (:func:`call_bytes`).
 
     Args:
-        num_max_tokens_per_rank: Token capacity ``T_max``.
+        num_max_tokens_per_rank: Token limit ``T_max``.
         hidden: Hidden size ``H``.
         num_topk: Top-k ``K``.
 
@@ -184,7 +184,7 @@ def call_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, use_fp8
     """Buffer bytes each call of a training step needs on one buffer.
 
     Args:
-        num_max_tokens_per_rank: Token capacity ``T_max``.
+        num_max_tokens_per_rank: Token limit ``T_max``.
         hidden: Hidden size ``H``.
         num_topk: Top-k ``K``.
         use_fp8: Whether the fresh dispatch carries FP8 rows.

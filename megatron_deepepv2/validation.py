@@ -296,11 +296,10 @@ def raise_on_every_rank(problem: Optional[Exception], group: dist.ProcessGroup, 
     plus an all-gather only when values differ. Without it, ``problem`` is announced to the peers, then raised.
 
     Args:
-        problem: This rank's problem, or None.
-        group: Process group of the dispatch.
+        problem, group: This rank's problem (or None) and the dispatch's process group.
         agree: Share the outcome over ``group``.
-        num_tokens: This rank's token count, maximised over the group alongside.
-        alike: Integer-coded values every rank must share (``dtype`` as :func:`dtype_code`), or None.
+        num_tokens, alike: This rank's token count (maximised over the group) and the integer-coded values every
+            rank must share (``dtype`` as :func:`dtype_code`), or None.
 
     Returns:
         The largest token count over the group (``num_tokens`` itself without ``agree``).

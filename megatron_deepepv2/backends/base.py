@@ -72,14 +72,11 @@ class DispatchConfig:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """What a communication buffer is built for.
+    """What a communication buffer is built for: hidden size ``H``, top-k ``K``, the most tokens any rank dispatches in
+    one call (the same on every rank), and the dispatches' settings (those marked ``BUFFER`` are construction
+    arguments).
 
     Attributes:
-        hidden: Hidden size ``H`` of the rows it carries.
-        num_topk: Experts each token selects (``K``).
-        num_max_tokens_per_rank: Tokens any rank dispatches in one call at most, the same on every rank.
-        settings: The settings of the dispatches using it; the fields marked ``BUFFER`` in
-            :mod:`megatron_deepepv2.config` are construction arguments.
         fp8: Whether dispatches send FP8 rows (in the key so that builds agree on it; sizing is BF16's).
         key: What buffers are kept apart by: all but the token count and the settings not marked ``BUFFER``.
     """
@@ -260,10 +257,7 @@ class DispatchBackend(ABC):
     def host_counts(self, handle: DispatchHandle) -> list[int]:
         """Alignment-padded rows per local expert of a host-sync dispatch, as the dispatch read them."""
 
-    @property
-    def num_bytes(self) -> int:
-        """Device memory this buffer holds for its lifetime, in bytes (0 for backends that allocate per call)."""
-        return 0
+    num_bytes: int = 0  #: device memory the buffer holds for its lifetime, in bytes (0: allocated per call)
 
     def destroy(self) -> None:
         """Releases the buffer. Collective for backends whose construction is collective."""

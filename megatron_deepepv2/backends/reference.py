@@ -266,11 +266,11 @@ class ReferenceBackend(DispatchBackend):
             returned_row = torch.arange(num_returned, dtype=torch.int64, device=device)
         else:
             # Every (destination, token) pair has a fixed row dest * T_max + token: no data-dependent sizes.
-            capacity = self.spec.num_max_tokens_per_rank
+            max_tokens = self.spec.num_max_tokens_per_rank
             dest_rank = torch.arange(world, device=device).repeat_interleave(num_tokens)
             token = torch.arange(num_tokens, device=device).repeat(world)
-            num_returned = world * capacity
-            returned_row = torch.where(sends.t().flatten(), dest_rank * capacity + token, num_returned)
+            num_returned = world * max_tokens
+            returned_row = torch.where(sends.t().flatten(), dest_rank * max_tokens + token, num_returned)
 
         row_of = torch.full((num_tokens, world + 1), num_returned, dtype=torch.int64, device=device)
         row_of[token, dest_rank] = returned_row
