@@ -2,14 +2,14 @@
 
 :class:`DeepepV2Settings` is the one declaration of each switch: its name, type, default and meaning. Each field is
 also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in capitals (``host_sync`` is
-``MEGATRON_DEEPEPV2_NO_HOST_SYNC``, inverted; ``num_max_tokens_per_rank`` is also ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK``),
-parsed by the field's type on first use. A ``MEGATRON_DEEPEPV2_*`` variable that no setting reads gets one WARNING
-naming the closest setting's variable; :data:`OTHER_VARIABLES` lists the ones read elsewhere. Code and tests change
-settings with :func:`configure` or, for a block, :func:`settings_override`. A layer's dispatch configuration
+``MEGATRON_DEEPEPV2_NO_HOST_SYNC``, inverted; ``num_max_tokens_per_rank`` is also
+``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK``), parsed by the field's type on first use. A ``MEGATRON_DEEPEPV2_*``
+variable that no setting reads gets one WARNING naming the closest setting's variable (or, for a removed setting, what
+to do instead); :data:`OTHER_VARIABLES` lists the ones read elsewhere. Code and tests change settings with
+:func:`configure` or, for a block, :func:`settings_override`. A layer's dispatch configuration
 (:class:`~megatron_deepepv2.backends.base.DispatchConfig`) carries the settings it was resolved with; the rules on
 their values live in :mod:`megatron_deepepv2.validation` and run when a configuration is resolved.
 """
-
 from __future__ import annotations
 
 import contextlib

@@ -265,14 +265,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
     stand_in = STAND_INS[line][1]
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import (
-        BufferSpec,
-        DeepEPBackend,
-        DispatchConfig,
-        ExpertLayout,
-        ReferenceBackend,
-        Streams,
-    )
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ExpertLayout, ReferenceBackend, Streams
     from megatron_deepepv2.config import DeepepV2Settings
 
     derived = []  # one entry per derivation of device counts from DeepEP's prefix sums
@@ -362,14 +355,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     default): every adapter call must still pass DeepEP's check, and the user's setting must come back."""
     use_stand_in_backend(line)
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import (
-        BufferSpec,
-        DeepEPBackend,
-        DispatchConfig,
-        ExpertLayout,
-        ReferenceBackend,
-        Streams,
-    )
+    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ExpertLayout, ReferenceBackend, Streams
     from megatron_deepepv2.config import DeepepV2Settings
 
     settings = DeepepV2Settings(num_sms=24, deterministic=True, host_sync=True, num_max_tokens_per_rank=16)
