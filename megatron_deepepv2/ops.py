@@ -198,7 +198,7 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: Streams):  # type: ignore[override]
         if type(handle) is not DispatchHandle:
-            raise TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
+            raise validation.not_a_handle(handle)
         group, validate = handle.buffer.group, handle.config.settings.validate
         count_call(group)
         key = (handle.config, x.shape[1], x.dtype, x.device) if type(x) is torch.Tensor and x.dim() == 2 else None

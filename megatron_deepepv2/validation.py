@@ -241,6 +241,11 @@ def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weight
     return check_expert_ids(topk_idx, num_experts) if check_values else None
 
 
+def not_a_handle(handle: Any) -> TypeError:
+    """The error of a combine given something other than a dispatch's handle."""
+    return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
+
+
 def check_combine_inputs(x: torch.Tensor, handle: "DispatchHandle",
                          topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
     """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply):

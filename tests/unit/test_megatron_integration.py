@@ -579,3 +579,45 @@ def test_deepepv2_dispatch_preprocess_is_not_compiled_where_megatrons_is() -> No
     env = {k: v for k, v in __import__("os").environ.items() if k != "TORCHDYNAMO_DISABLE"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert "COMPILED True False" in done.stdout, done.stdout[-1000:] + done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# How deep the path from Megatron's stage to the backend is
+# ------------------------------------------------------------------------------------------------
+def _frames_to_the_backend(rank: int, world: int) -> dict:
+    import inspect
+    from pathlib import Path
+
+    _setup()
+    import megatron_deepepv2
+    from megatron_deepepv2.backends import ReferenceBackend
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    package = Path(megatron_deepepv2.__file__).parent
+    seen: dict = {}
+
+    def recording(name: str):
+        original = getattr(ReferenceBackend, name)
+
+        def method(self, *args, **kwargs):
+            ours = [f"{Path(f.filename).relative_to(package)}:{f.function}" for f in inspect.stack()
+                    if Path(f.filename).is_relative_to(package)]
+            start = max((i for i, frame in enumerate(ours) if frame.startswith("manager.py")), default=None)
+            if start is not None:  # a forward call (the backward ones start in autograd's engine)
+                seen.setdefault(name, list(reversed(ours[:start + 1])))
+            return original(self, *args, **kwargs)
+        return method
+
+    for name in ("dispatch", "combine"):
+        setattr(ReferenceBackend, name, recording(name))
+    layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
+    _forward_backward(layer, torch.randn(6, 1, layer.config.hidden_size, generator=torch.Generator().manual_seed(0)))
+    return seen
+
+
+def test_megatron_stages_reach_the_backend_in_three_frames_of_the_package() -> None:
+    """The manager's dispatch and combine each call their autograd Function, which calls the backend: three frames of
+    this package from Megatron's stage to the buffer, and combine goes the way dispatch goes."""
+    (seen,) = run_distributed(_frames_to_the_backend, 1)  # the frames of ours on the stack when the backend is called
+    assert seen == {"dispatch": ["manager.py:dispatch", "ops.py:forward"],
+                    "combine": ["manager.py:combine", "ops.py:forward"]}, seen
