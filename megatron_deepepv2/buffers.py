@@ -1,9 +1,8 @@
 """Buffer lifecycle: the one registry of this process's communication buffers.
 
-One buffer (a :class:`~megatron_deepepv2.backends.base.DispatchBackend`) lives per (backend, process group,
-:attr:`~megatron_deepepv2.backends.base.BufferSpec.key`). Builds are collective over the group, never run in CUDA-graph
-capture, and agree on the key over the ranks. A rebuild for more tokens *retires* the old buffer: the dispatch handles
-that hold it keep working until :func:`release_retired_buffers` (or a build) finds that no rank uses it.
+One buffer lives per (backend, process group, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`). Builds are
+collective, never run in CUDA-graph capture, and agree on the key over the ranks. A rebuild for more tokens retires the
+old buffer: its handles keep working until :func:`release_retired_buffers` (or a build) finds no rank uses it.
 """
 
 from __future__ import annotations

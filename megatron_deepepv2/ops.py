@@ -1,8 +1,6 @@
-"""Differentiable dispatch and combine: :func:`resolve_config`, the bound :class:`Dispatcher` and one autograd Function
-per op (dispatch: backward is a combine of the gradient; combine: backward is a cached dispatch of the gradient).
-
-Callers -- the Megatron manager and :func:`dispatch` / :func:`combine` -- call :class:`DispatchFunction` and
-:class:`CombineFunction`, which call the backend. Every path that communicates passes its errors through
+"""Differentiable dispatch and combine: the bound :class:`Dispatcher` and one autograd Function per op (dispatch's
+backward is a combine of the gradient, combine's a cached dispatch), which the Megatron manager and :func:`dispatch` /
+:func:`combine` call. Every path that communicates passes its errors through
 :func:`~megatron_deepepv2.failures.peer_failure`, so a peer raises naming the rank that failed first.
 """
 

@@ -1,8 +1,7 @@
-"""The rules on settings, configurations and dispatch/combine inputs, each written once; every error names the
-argument, its value and the fix. Each rule runs before any communication starts: a rank that raised inside a
-collective would leave its peers waiting. Configuration rules run once per resolved or bound configuration, the static
-input checks once per input signature, the expert-id checks per dispatch; :func:`raise_on_every_rank` raises a rank's
-problem alone (announced to its peers) or, with ``validate``, on every rank together.
+"""The rules on settings, configurations and dispatch/combine inputs, each written once, each error naming the
+argument, its value and the fix; all run before any communication (a rank raising inside a collective would leave its
+peers waiting). :func:`raise_on_every_rank` raises a rank's problem alone (announced to its peers) or, with
+``validate``, on every rank together.
 """
 
 from __future__ import annotations
@@ -241,8 +240,7 @@ def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weight
     return check_expert_ids(topk_idx, num_experts) if check_values else None
 
 
-def not_a_handle(handle: Any) -> TypeError:
-    """The error of a combine given something other than a dispatch's handle."""
+def not_a_handle(handle: Any) -> TypeError:  # the error of a combine given something else than a handle
     return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
 
 

@@ -257,3 +257,17 @@ def test_on_the_real_package_a_root_stands_on_the_top_floor_of_what_it_reaches(t
     assert "manager" in report["floors"][-1]["modules"]
     reached = {name for floor in report["floors"] for name in floor["modules"]}
     assert reached >= {target for edge in report["edges"] for target in (edge["from"], edge["to"])}
+
+
+#: The narrow hot path: what a Megatron dispatch and combine run through, with the lifecycle and checks they use.
+HOT_PATH = "manager,ops,buffers,validation,backends.base,backends.deepep"
+
+
+def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
+    """From the Megatron manager down: at most 7 floors, no import back up, and the narrow hot path at most 1,600
+    lines (docstrings state contracts; reasons and measurements live in docs/internals.md)."""
+    out = tmp_path / "report.json"
+    assert import_graph.main(["--roots", "manager", "--modules", HOT_PATH, "--json", str(out),
+                              "--max-floors", "7", "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["line_counts"]["sum"]["total"] <= 1600, report["line_counts"]
