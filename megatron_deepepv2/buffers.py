@@ -74,10 +74,6 @@ _handles: dict[DispatchBackend, _HandleRecords] = {}
 _stats = BufferStats()
 
 
-def _is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spec: BufferSpec,
                num_tokens: int) -> DispatchBackend:
     """Returns the buffer for ``group`` and ``spec.key`` with room for ``num_tokens``, building or rebuilding it.
@@ -102,7 +98,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
     current = _buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
         return current
-    if _is_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
                            "capture. Run one eager step with the same shapes before capturing.")
     configured = spec.settings.num_max_tokens_per_rank

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-from megatron_deepepv2 import expert_kernels
+from megatron_deepepv2 import expert_kernels, validation
 
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
@@ -217,21 +217,7 @@ class SyncFreeSequentialMLP(SequentialMLP):
     def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection=None, **kwargs) -> None:
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
         tp_group = getattr(self, "tp_group", None)
-        if tp_group is not None and tp_group.size() > 1:
-            raise ValueError(
-                "SyncFreeSequentialMLP supports expert tensor parallel size 1; set --expert-tensor-parallel-size 1."
-            )
-        if self.config.add_bias_linear:
-            raise ValueError("SyncFreeSequentialMLP supports experts without bias; pass --disable-bias-linear.")
-        if self.config.fp8 or self.config.fp4:
-            raise ValueError(
-                "SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; for FP8/FP4 without host sync use TEGroupedMLP "
-                "with --use-transformer-engine-op-fuser."
-            )
-        if getattr(self.config, "delay_wgrad_compute", False):
-            raise ValueError("SyncFreeSequentialMLP computes weight gradients in backward; unset --delay-wgrad-compute.")
-        if getattr(self.config, "use_te_activation_func", False):
-            raise ValueError("SyncFreeSequentialMLP applies config.activation_func itself; unset --use-te-activation-func.")
+        validation.check_sync_free_experts(self.config, tp_group.size() if tp_group is not None else 1)
         self.weight1 = _stack_expert_weights([expert.linear_fc1 for expert in self.local_experts])
         self.weight2 = _stack_expert_weights([expert.linear_fc2 for expert in self.local_experts])
         # Resolved once: the activation as the fused kernels compute it (None: PyTorch ops).

@@ -89,12 +89,8 @@ class _DeepepV2Manager(_DispatchManager):
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
         """Sets ``token_indices`` (``torch.topk`` ids: in ``[0, E)``, distinct within a row) and ``token_probs``, both
-        ``[T, K]``; with a capacity factor, selections the router dropped (prob 0) get id ``-1``.
-
-        Args:
-            routing_map: ``[T, E]`` (or reshapeable) bool map of the selected experts; only its token count is read.
-            probs: ``[T, E]`` (or reshapeable) routing probabilities, zero where not selected.
-        """
+        ``[T, K]``, from the router's ``[T, E]`` ``probs`` (zero where not selected; of ``routing_map`` only its token
+        count is read); with a capacity factor, selections the router dropped (prob 0) get id ``-1``."""
         num_tokens = routing_map.shape[0]
         probs = probs.reshape(num_tokens, self.num_experts)
         self.token_probs, self.token_indices = torch.topk(probs, self.router_topk, dim=-1)

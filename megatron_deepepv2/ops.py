@@ -35,11 +35,8 @@ _dispatchers: dict[tuple, "Dispatcher"] = {}
 
 
 def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> "Dispatcher":
-    """The :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
-
-    Raises:
-        ValueError: If ``num_experts`` is not a positive multiple of the group size.
-    """
+    """The :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use; raises a
+    ValueError if ``num_experts`` is not a positive multiple of the group size."""
     key = (config, group, num_experts)
     dispatcher = _dispatchers.get(key)
     if dispatcher is None:

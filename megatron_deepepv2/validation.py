@@ -106,11 +106,8 @@ def fp8_hidden_size_problem(hidden: int) -> Optional[ValueError]:
 
 
 def check_megatron_config(config: Any) -> None:
-    """Checks a Megatron ``TransformerConfig`` that selects deepepv2.
-
-    Raises:
-        ValueError: For a combination deepepv2 does not support, saying what to change.
-    """
+    """Raises a ValueError, saying what to change, for a ``TransformerConfig`` selecting deepepv2 in a combination it
+    does not support."""
     if getattr(config, "moe_enable_deepep", False):
         raise ValueError(
             "moe_enable_deepep=True selects the DeepEP v1 backend but moe_flex_dispatcher_backend='deepepv2' "
@@ -140,12 +137,8 @@ def check_megatron_config(config: Any) -> None:
 
 
 def check_fp8_model(config: Any) -> None:
-    """Checks a Megatron ``TransformerConfig`` whose layers dispatch in FP8.
-
-    Raises:
-        TypeError: If the model does not train in BF16.
-        ValueError: If its hidden size is not a multiple of 128.
-    """
+    """Raises for a ``TransformerConfig`` whose layers dispatch in FP8: a TypeError if the model does not train in
+    BF16, a ValueError if its hidden size is not a multiple of 128."""
     bf16 = bool(getattr(config, "bf16", False)) or getattr(config, "params_dtype", None) == torch.bfloat16
     if not bf16:
         raise TypeError("FP8 dispatch (MEGATRON_DEEPEPV2_FP8_DISPATCH=1) quantises BF16 hidden states; this model "
@@ -153,6 +146,23 @@ def check_fp8_model(config: Any) -> None:
     problem = fp8_hidden_size_problem(config.hidden_size)
     if problem is not None:
         raise problem
+
+
+def check_sync_free_experts(config: Any, expert_tp_size: int) -> None:
+    """Raises a ValueError for what a ``TransformerConfig`` asks of ``SyncFreeSequentialMLP`` experts that they lack:
+    expert tensor parallelism, biases, FP8/FP4, delayed weight gradients or TE's activation."""
+    if expert_tp_size > 1:
+        raise ValueError("SyncFreeSequentialMLP supports expert tensor parallel size 1; set "
+                         "--expert-tensor-parallel-size 1.")
+    if config.add_bias_linear:
+        raise ValueError("SyncFreeSequentialMLP supports experts without bias; pass --disable-bias-linear.")
+    if config.fp8 or config.fp4:
+        raise ValueError("SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; for FP8/FP4 without host sync use "
+                         "TEGroupedMLP with --use-transformer-engine-op-fuser.")
+    if getattr(config, "delay_wgrad_compute", False):
+        raise ValueError("SyncFreeSequentialMLP computes weight gradients in backward; unset --delay-wgrad-compute.")
+    if getattr(config, "use_te_activation_func", False):
+        raise ValueError("SyncFreeSequentialMLP applies config.activation_func itself; unset --use-te-activation-func.")
 
 
 def host_sync_capture_problem() -> RuntimeError:

@@ -31,8 +31,9 @@ def _require(device: str) -> None:
         pytest.skip("needs a CUDA GPU (the fused Triton kernels)")
 
 
-def _build(kind: str, activation: str, dtype: torch.dtype, device: str, seed: int = 7):
-    """One expert module of ``kind`` ("sequential" or "sync_free") on a 1-rank world."""
+def _build(kind: str, activation: str, dtype: torch.dtype, device: str, seed: int = 7, **config_fields):
+    """One expert module of ``kind`` ("sequential" or "sync_free") on a 1-rank world (``config_fields`` over the
+    TransformerConfig's)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -53,7 +54,7 @@ def _build(kind: str, activation: str, dtype: torch.dtype, device: str, seed: in
     }[activation]
     # Weights large enough that the activation works in its non-linear range (Megatron's default std 0.02 keeps
     # FC1 outputs near 0, where a wrong SiLU derivative would hide inside the tolerance).
-    extra = {**extra, "init_method_std": 0.3}
+    extra = {**extra, "init_method_std": 0.3, **config_fields}
     shape = TinyMoEConfig(hidden=HIDDEN, ffn=FFN, num_experts=EXPERTS, topk=2, params_dtype=dtype, extra=extra)
     config = transformer_config(shape, "alltoall")
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
@@ -246,6 +247,8 @@ def test_checkpoints_move_between_sequential_mlp_and_sync_free(tmp_path: Path) -
 
 
 def _attributes_case(rank: int, world: int) -> tuple[dict, dict]:
+    with pytest.raises(ValueError, match="without bias; pass --disable-bias-linear"):  # the module runs the rules
+        _build("sync_free", "swiglu", torch.float32, "cpu", add_bias_linear=True)
     new = _build("sync_free", "swiglu", torch.float32, "cpu")
     with pytest.raises(ValueError, match="one row count per local expert"):
         new(torch.zeros(4, HIDDEN), torch.tensor([4]), torch.ones(4))

@@ -433,3 +433,22 @@ def test_bad_ids_without_host_sync_raise_the_assert_message_on_every_rank() -> N
     assert "topk_idx holds an expert id outside [-1, num_experts)" in outcomes[1], outcomes[1]
     assert "MEGATRON_DEEPEPV2_VALIDATE=1" in outcomes[1]
     assert "Rank(s) [1]" in outcomes[0] and "expert id outside" in outcomes[0], outcomes[0]
+
+
+@pytest.mark.parametrize("change,tp,phrase", [
+    ({}, 2, "expert tensor parallel size 1; set --expert-tensor-parallel-size 1"),
+    ({"add_bias_linear": True}, 1, "without bias; pass --disable-bias-linear"),
+    ({"fp8": "hybrid"}, 1, "for FP8/FP4 without host sync use TEGroupedMLP"),
+    ({"fp4": "nvfp4"}, 1, "for FP8/FP4 without host sync use TEGroupedMLP"),
+    ({"delay_wgrad_compute": True}, 1, "unset --delay-wgrad-compute"),
+    ({"use_te_activation_func": True}, 1, "unset --use-te-activation-func"),
+])
+def test_sync_free_experts_refuse_what_they_cannot_run(change: dict, tp: int, phrase: str) -> None:
+    from types import SimpleNamespace
+
+    from megatron_deepepv2.validation import check_sync_free_experts
+
+    fields = dict(add_bias_linear=False, fp8=None, fp4=None, delay_wgrad_compute=False, use_te_activation_func=False)
+    check_sync_free_experts(SimpleNamespace(**fields), 1)  # what they run: no error
+    with pytest.raises(ValueError, match=re.escape(phrase)):
+        check_sync_free_experts(SimpleNamespace(**{**fields, **change}), tp)
