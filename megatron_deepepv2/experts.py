@@ -55,7 +55,7 @@ def _uses_te_op_fuser(experts: Any) -> bool:
     return isinstance(experts, TEGroupedMLP) and bool(getattr(experts, "_with_fused_impl", False))
 
 
-def no_host_sync_problem(experts: Any) -> Optional[str]:
+def device_counts_problem(experts: Any) -> Optional[str]:
     """Says why ``experts`` cannot run without host sync, or None when it can.
 
     Args:
@@ -78,7 +78,7 @@ def check_experts_take_device_counts(experts: Any) -> None:
     Raises:
         ValueError: Naming the expert module and what to use instead.
     """
-    problem = no_host_sync_problem(experts)
+    problem = device_counts_problem(experts)
     if problem is not None:
         raise ValueError(problem)
 

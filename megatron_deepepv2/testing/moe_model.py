@@ -178,7 +178,7 @@ def capture_layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tens
                        warmup_steps: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Captures one forward + backward of a MoE layer in a CUDA graph, after a warm-up on a side stream.
 
-    Needs no host sync on the dispatcher path (``no_host_sync`` with experts that take device-side counts).
+    Needs no host sync on the dispatcher path (``host_sync=False`` with experts that take device-side counts).
     Eager steps on the default stream may come before, once nothing they returned is referenced any more: a live
     autograd graph ties the parameters' gradient accumulators to that step's stream and the capture fails.
 
