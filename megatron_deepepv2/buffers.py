@@ -7,7 +7,6 @@ old buffer: its handles keep working until :func:`release_retired_buffers` (or a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, replace
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_deepepv2.failures import PeerFailure, all_reduce_max, announce_failure, begin_build, rendezvous
 from megatron_deepepv2._dist import next_power_of_two
-from megatron_deepepv2.config import BUFFER, DeepepV2Settings
+from megatron_deepepv2.config import BUFFER_SETTINGS
 from megatron_deepepv2.validation import raise_on_every_rank
 
 if TYPE_CHECKING:
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The settings that are construction arguments, as the buffer key holds them (named in a disagreement's error).
-_BUFFER_SETTING_NAMES = tuple(f.name for f in dataclasses.fields(DeepepV2Settings) if f.metadata == BUFFER)
 
 
 @dataclass
@@ -138,7 +135,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
         raise problem
     # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
     # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
-    alike = dict(zip(("hidden size", "top-k", "FP8", *_BUFFER_SETTING_NAMES),
+    alike = dict(zip(("hidden size", "top-k", "FP8", *BUFFER_SETTINGS),
                      (-1 if v is None else int(v) for v in spec.key)))
     largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, alike=alike)
     if group in _retired:

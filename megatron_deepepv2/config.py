@@ -51,7 +51,7 @@ class DeepepV2Settings:
             power of two, grown collectively when the ranks exceed it together.
         validate: Check values on the host (expert ids in range and distinct) and agree on errors over the group, so
             bad input raises on every rank: a device-to-host sync and a small all-reduce per call, for debugging.
-        check_ids: Check the expert ids of every direct dispatch (see :mod:`megatron_deepepv2.validation`). Megatron
+        check_ids: Check the expert ids of every direct dispatch (see :mod:`megatron_deepepv2.expert_ids`). Megatron
             layers skip it: their ids come from ``torch.topk``.
         growth_timeout_s: Seconds a rank waits at a buffer build for the other ranks before it raises.
         deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, ordered reductions). Megatron's
@@ -125,9 +125,13 @@ def _variables(f: dataclasses.Field) -> list[str]:
     return names
 
 
+#: The names of the fields marked :data:`BUFFER`, in declaration order.
+BUFFER_SETTINGS = tuple(f.name for f in dataclasses.fields(DeepepV2Settings) if f.metadata.get("buffer"))
+
+
 def buffer_settings(settings: DeepepV2Settings) -> tuple:
-    """The values of the fields marked :data:`BUFFER`, in declaration order: what keeps buffers apart."""
-    return tuple(getattr(settings, f.name) for f in dataclasses.fields(settings) if f.metadata.get("buffer"))
+    """The values of the :data:`BUFFER_SETTINGS` of ``settings``: what keeps buffers apart."""
+    return tuple(getattr(settings, name) for name in BUFFER_SETTINGS)
 
 
 def setting_variables() -> list[str]:

@@ -167,7 +167,8 @@ def validate_config(config: Any) -> None:
     """Checks a ``TransformerConfig`` that selects deepepv2 (run around Megatron's own checks).
 
     Raises:
-        ValueError: For a combination deepepv2 does not support (:func:`megatron_deepepv2.validation.check_megatron_config`).
+        ValueError: For a combination deepepv2 does not support
+            (:func:`megatron_deepepv2.validation.check_megatron_config`).
     """
     if getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME:
         check_megatron_config(config)
@@ -310,6 +311,7 @@ def _patch_moe_layer_expert_check() -> None:
 
         config = kwargs["config"] if "config" in kwargs else args[0]
         deepepv2 = is_deepepv2(config)
+        check_settings(get_settings())  # the settings may have changed since install()
         if get_settings().experts == "sync_free":  # every dispatcher: comparisons hold the experts equal
             if kwargs.get("submodules") is not None:
                 kwargs["submodules"] = sync_free_submodules(kwargs["submodules"])
@@ -491,6 +493,7 @@ def install() -> InstallReport:
     Raises:
         RuntimeError: If the installed megatron-core is older than 0.17, or ``MEGATRON_DEEPEPV2_MANAGER=native``
             asks for a deepepv2 it does not ship.
+        ValueError: If a setting holds a value it cannot take (:func:`megatron_deepepv2.validation.check_settings`).
     """
     global _report
     with _install_lock:

@@ -48,16 +48,18 @@ class Dispatcher:
     """The dispatches of ``config`` on the expert-parallel ``group`` for ``num_experts`` global experts: the input
     signature whose checks passed and the buffer spec it leases with (see :func:`bind`)."""
 
-    __slots__ = ("config", "group", "num_experts", "_signature", "_spec")
+    __slots__ = ("config", "group", "num_experts", "_signature", "_spec", "_specs")
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
+        validation.check_dispatch_config(config)  # once per binding: also a configuration built directly
         validation.check_binding(num_experts, group_size(group))
         self.config = config
         self.group = group
         self.num_experts = num_experts
-        #: The input signature whose static checks passed last (:func:`_static_signature`).
+        #: The input signature whose checks passed last, its buffer spec, and every passed signature's spec.
         self._signature: Any = None
         self._spec: Optional[BufferSpec] = None
+        self._specs: dict[tuple, BufferSpec] = {}
 
     def prepare(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> DispatchBackend:
         """Counts the call, checks what was not checked before and returns the buffer to dispatch on. Raises
@@ -68,13 +70,15 @@ class Dispatcher:
         signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
         limit = settings.num_max_tokens_per_rank
         problem = None
+        checked = signature is not None and signature == self._signature
+        if not checked and signature is not None and signature in self._specs:  # another one that passed before
+            self._signature, self._spec, checked = signature, self._specs[signature], True
         # The static checks depend on T only through integer compares, made here and in _static_signature.
-        if (signature is None or signature != self._signature or settings.validate
-                or (limit is not None and num_tokens > limit)):
+        if not checked or settings.validate or (limit is not None and num_tokens > limit):
             problem = validation.check_dispatch_inputs(
                 x, topk_idx, topk_weights, limits=config.backend.limits, fp8_dispatch=settings.fp8_dispatch,
                 num_max_tokens_per_rank=limit, num_experts=self.num_experts, check_values=settings.validate)
-            if problem is None and signature != self._signature:
+            if problem is None and not checked:
                 self._signature, self._spec = signature, None
         on_cuda = problem is None and topk_idx.is_cuda
         if settings.host_sync and on_cuda and torch.cuda.is_current_stream_capturing():
@@ -95,8 +99,8 @@ class Dispatcher:
         elif problem is not None:
             validation.raise_on_every_rank(problem, group, agree=False)
         if self._spec is None:
-            self._spec = BufferSpec(data.shape[1], topk_idx.shape[1], 0, settings,
-                                    fp8=type(x) is tuple or settings.fp8_dispatch)
+            fp8 = type(x) is tuple or settings.fp8_dispatch
+            self._spec = self._specs[signature] = BufferSpec(data.shape[1], topk_idx.shape[1], 0, settings, fp8=fp8)
         try:
             return buffers.get_buffer(config.backend, group, self._spec, num_tokens)
         except Exception as error:
@@ -128,8 +132,8 @@ class DispatchFunction(torch.autograd.Function):
     differentiable). Differentiable in ``x`` and ``topk_weights``; with ``fp8_dispatch`` the backward is BF16."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor], dispatcher: Dispatcher,  # type: ignore[override]
-                topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor],  # type: ignore[override]
+                dispatcher: Dispatcher, topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
         buffer = dispatcher.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
         config = dispatcher.config
         host_sync, fp8_dispatch = config.settings.host_sync, config.settings.fp8_dispatch
@@ -280,7 +284,8 @@ def dispatch(
     except (TypeError, ValueError) as problem:
         # Raised in the call the peers are making, so that they stop too instead of waiting for this rank.
         count_call(group)
-        validate = settings.get("validate", get_settings().validate) if config is None else config.settings.validate
+        validate = settings.get("validate") if config is None else config.settings.validate
+        validate = get_settings().validate if validate is None else validate
         validation.raise_on_every_rank(problem, group, agree=bool(validate), alike=dict.fromkeys(
             validation.DISPATCH_ALIKE, 0))
     if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():

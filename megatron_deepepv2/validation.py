@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     from megatron_deepepv2.layout import HiddenStates
 
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
-#: Values of the ``manager`` and ``experts`` settings.
-MANAGERS = ("plugin", "native")
+MANAGERS = ("plugin", "native")  # the values of the manager and experts settings
 EXPERTS = ("spec", "sync_free")
 
 
@@ -71,7 +70,7 @@ def check_dispatch_config(config: "DispatchConfig") -> None:
         raise ValueError(f"expert_alignment={alignment!r} must be an integer >= 1 (1 = no padding).")
     if config.zero_padding and config.layout is not ExpertLayout.EXPAND:
         raise ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
-    if not config.zero_padding and config.layout is ExpertLayout.EXPAND and alignment > 1:
+    if config.zero_padding is False and config.layout is ExpertLayout.EXPAND and alignment > 1:
         raise ValueError(f"zero_padding=False with layout='expand' and expert_alignment={alignment} would leave the "
                          "padding rows holding whatever the memory held (NaN or -inf included), and a grouped GEMM's "
                          "weight gradient reads them. Leave zero_padding unset (it zero-fills whenever blocks are "

@@ -130,9 +130,8 @@ def resolve_config(**overrides: Any) -> DispatchConfig:
     backend = overrides.pop("backend", settings.backend)
     layout = ExpertLayout.parse(overrides.pop("layout", ExpertLayout.COMPACT))
     alignment = overrides.pop("expert_alignment", 1)
-    padded = layout is ExpertLayout.EXPAND and isinstance(alignment, int) and alignment > 1
     config = DispatchConfig(backend if isinstance(backend, type) else resolve_backend(backend), settings, layout,
-                            alignment, overrides.pop("zero_padding", padded), **overrides)
+                            alignment, overrides.pop("zero_padding", None), **overrides)
     validation.check_dispatch_config(config)
     return config
 

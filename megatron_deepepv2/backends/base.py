@@ -33,7 +33,8 @@ class DispatchConfig:
         settings: The switches it was resolved with (:class:`~megatron_deepepv2.config.DeepepV2Settings`).
         layout: Receive layout.
         expert_alignment: Expand layout: each expert block is padded to a multiple of this (1 = none).
-        zero_padding: Expand layout: the padding rows and their weights are zero.
+        zero_padding: The caller's request for zero padding rows (None: whenever there are any). Padding rows and
+            weights are zero whenever there are any (:attr:`padded`); False is rejected there, True outside expand.
         mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts.
         clear_tail: Without host sync: expert id -1 and weight 0 past the valid rows, zero rows past them in a
             combine's input gradient, for a consumer that reads every row.
@@ -43,7 +44,7 @@ class DispatchConfig:
     settings: DeepepV2Settings = field(default_factory=DeepepV2Settings)
     layout: ExpertLayout = ExpertLayout.COMPACT
     expert_alignment: int = 1
-    zero_padding: bool = False
+    zero_padding: Optional[bool] = None
     mask_foreign_weights: bool = True
     clear_tail: bool = True
 
@@ -64,10 +65,9 @@ class DispatchConfig:
         self.__dict__.update(state)
         self.__post_init__()
 
-    @property
-    def host_sync(self) -> bool:
-        """Whether a dispatch waits on the host for exact sizes."""
-        return self.settings.host_sync
+    host_sync = property(lambda self: self.settings.host_sync, doc="Whether a dispatch waits on the host for sizes.")
+    padded = property(lambda self: self.layout is ExpertLayout.EXPAND and self.expert_alignment > 1,
+                      doc="Whether expand blocks have padding rows (alignment > 1): zero, as their weights.")
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class DeepEPBackend(DispatchBackend):
         if kind == "fresh":
             kwargs.update(num_experts=num_experts, num_max_tokens_per_rank=self.spec.num_max_tokens_per_rank,
                           expert_alignment=config.expert_alignment, num_sms=self.num_sms, do_expand=expand,
-                          do_zero_padding=config.zero_padding and expand, do_cpu_sync=config.host_sync)
+                          do_zero_padding=config.padded, do_cpu_sync=config.host_sync)
         if kind == "cached":  # padding rows of a gradient must be zero
             kwargs.update(do_expand=expand, do_zero_padding=expand)
         if kind != "combine":

@@ -418,7 +418,7 @@ class ReferenceBackend(DispatchBackend):
             tokens_per_expert, tokens_per_expert_list = self._plan_expand(
                 plan, expert_alignment, num_local_experts, host_sync
             )
-            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, config.zero_padding)
+            recv_x, recv_weights = self._expand_rows(recv_x, recv_weights, plan, config.padded)
             out_idx, num_recv_rows = None, plan.num_expanded_rows
             num_valid_rows = tokens_per_expert.sum()
         else:

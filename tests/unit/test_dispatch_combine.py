@@ -111,3 +111,24 @@ def test_dispatch_config_runs_the_backend_mode_checks_when_resolved() -> None:
             dv2.resolve_config(backend="deepep", host_sync=False, deterministic=True)
     finally:
         DeepEPBackend.unavailable_reason = original
+
+
+def test_zero_padding_is_a_request_and_padding_follows_the_alignment() -> None:
+    """Padding rows exist (and are zero) exactly when expand blocks are aligned past 1; asking for zero padding
+    without padding changes nothing, and a configuration built directly is checked when it is bound."""
+    import torch.distributed as dist
+
+    from megatron_deepepv2 import ops
+    from megatron_deepepv2.backends import DispatchConfig, ExpertLayout, ReferenceBackend
+
+    assert not dv2.resolve_config(backend="reference", layout="expand", expert_alignment=1, zero_padding=True).padded
+    assert dv2.resolve_config(backend="reference", layout="expand", expert_alignment=4).padded
+    assert not dv2.resolve_config(backend="reference", layout="compact", expert_alignment=4).padded
+    assert DispatchConfig(ReferenceBackend, layout=ExpertLayout.EXPAND, expert_alignment=4).padded
+    with pytest.raises(ValueError, match="zero_padding=False with layout='expand' and expert_alignment=4"):
+        dv2.resolve_config(backend="reference", layout="expand", expert_alignment=4, zero_padding=False)
+    for built, phrase in ((DispatchConfig(ReferenceBackend, layout=ExpertLayout.EXPAND, expert_alignment=4,
+                                          zero_padding=False), "zero_padding=False"),
+                          (DispatchConfig(ReferenceBackend, expert_alignment=0), "expert_alignment=0")):
+        with pytest.raises(ValueError, match=phrase):
+            ops.Dispatcher(built, dist.group.WORLD if dist.is_initialized() else None, 8)

@@ -1,0 +1,104 @@
+"""The sync-free deterministic receive order against a dense per-expert sort in plain Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_deepepv2.sync_free_order import compact_order, expand_order
+
+
+def _expand_receive(seed: int, num_tokens: int, topk: int, experts: int, alignment: int, empty: set[int],
+                    tail: int, garbage: int):
+    """A receive as DeepEP lays it out before sorting: each expert's block aligned, its selections at random rows of
+    the block (arrival order), ``tail`` rows past the last block, and ``garbage`` tokens past the valid ones whose
+    metadata holds anything."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randperm(10**6, generator=gen)[:num_tokens + garbage].long() * 2039 + 7  # unique, up to ~2e9
+    chosen = torch.full((num_tokens, topk), -1, dtype=torch.long)
+    for t in range(num_tokens):
+        picks = [e for e in torch.randperm(experts, generator=gen).tolist() if e not in empty]
+        count = int(torch.randint(0, topk + 1, (1,), generator=gen))
+        chosen[t, :count] = torch.tensor(picks[:count], dtype=torch.long)
+    counts = [int((chosen == e).sum()) for e in range(experts)]
+    sizes = [(c + alignment - 1) // alignment * alignment for c in counts]
+    starts = [sum(sizes[:e]) for e in range(experts)]
+    num_rows = sum(sizes) + tail
+    slots = torch.full((num_tokens + garbage, topk), -1, dtype=torch.int32)
+    for e in range(experts):
+        rows = (starts[e] + torch.randperm(sizes[e], generator=gen)[:counts[e]]).tolist()
+        for (t, k), row in zip((chosen == e).nonzero().tolist(), rows):
+            slots[t, k] = row
+    slots[num_tokens:] = torch.randint(-5, 3 * num_rows + 5, (garbage, topk), generator=gen, dtype=torch.int32)
+    return src, slots, torch.tensor(starts), num_rows
+
+
+def _dense_expand_order(src, slots, starts, num_rows, num_tokens):
+    """Per expert block (the last runs to the end): its selections' rows by source token, then its other rows."""
+    owner = {int(slots[t, k]): int(src[t]) for t in range(num_tokens) for k in range(slots.shape[1])
+             if slots[t, k] >= 0}
+    bounds = starts.tolist() + [num_rows]
+    order = []
+    for e in range(len(starts)):
+        block = range(bounds[e], max(bounds[e], bounds[e + 1]) if e < len(starts) - 1 else num_rows)
+        order += sorted((r for r in block if r in owner), key=owner.get) + [r for r in block if r not in owner]
+    return order
+
+
+@pytest.mark.parametrize("alignment", [1, 16, 128])
+@pytest.mark.parametrize("seed", range(4))
+def test_expand_order_is_the_per_expert_sort_by_source_token(alignment: int, seed: int) -> None:
+    num_tokens, topk, experts = 40 + 17 * seed, 4, 6
+    empty = {seed % experts}  # an expert no token selects: an empty block
+    tail, garbage = (0, 0) if seed == 0 else (3 * alignment + seed, 5)  # worst-case receives from seed 1 on
+    src, slots, starts, num_rows = _expand_receive(seed, num_tokens, topk, experts, alignment, empty, tail, garbage)
+    valid_tokens = None if garbage == 0 else torch.tensor(num_tokens)
+    order, new_slots = expand_order(src, slots, starts, num_rows, valid_tokens)
+    expected = _dense_expand_order(src, slots, starts, num_rows, num_tokens)
+    assert order.tolist() == expected
+    position = {row: i for i, row in enumerate(expected)}
+    want = slots.clone()
+    for t in range(num_tokens):
+        for k in range(topk):
+            if slots[t, k] >= 0:
+                want[t, k] = position[int(slots[t, k])]
+    assert torch.equal(new_slots, want) and new_slots.dtype == slots.dtype
+    # Applied to rows that carry their source token, each block reads in source order, selections first.
+    carried = torch.full((num_rows,), -1, dtype=torch.long)
+    for t in range(num_tokens):
+        for k in range(topk):
+            if slots[t, k] >= 0:
+                carried[slots[t, k]] = src[t]
+    ordered = carried[order]
+    for t in range(num_tokens):
+        for k in range(topk):
+            if new_slots[t, k] >= 0:
+                assert ordered[new_slots[t, k]] == src[t]
+
+
+def test_expand_order_of_no_rows_and_of_no_selections() -> None:
+    order, slots = expand_order(torch.zeros(2, dtype=torch.long), torch.full((2, 3), -1, dtype=torch.int32),
+                                torch.zeros(4, dtype=torch.long), 0)
+    assert order.numel() == 0 and (slots == -1).all()
+    order, slots = expand_order(torch.arange(2), torch.full((2, 3), -1, dtype=torch.int32),
+                                torch.tensor([0, 16, 16, 32]), 48)
+    assert order.tolist() == list(range(48)) and (slots == -1).all()
+
+
+@pytest.mark.parametrize("valid", [None, 0, 7, 30])
+def test_compact_order_sorts_by_source_token_with_the_tail_last(valid) -> None:
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randperm(10**9, generator=gen)[:30]
+    count = 30 if valid is None else valid
+    order = compact_order(src, None if valid is None else torch.tensor(valid))
+    expected = sorted(range(count), key=lambda r: int(src[r])) + list(range(count, 30))
+    assert order.tolist() == expected
+
+
+def test_the_order_reads_nothing_on_the_host() -> None:
+    """Every step is a tensor op: the order of a receive on the meta device (no data at all) has the right shapes."""
+    src, slots, starts, num_rows = _expand_receive(1, 20, 3, 4, 16, set(), 9, 4)
+    order, new_slots = expand_order(src.to("meta"), slots.to("meta"), starts.to("meta"), num_rows,
+                                    torch.tensor(20, device="meta"))
+    assert order.shape == (num_rows,) and new_slots.shape == slots.shape
+    assert compact_order(src.to("meta"), torch.tensor(20, device="meta")).shape == src.shape
