@@ -99,6 +99,13 @@ KERNELS: tuple[KernelEntry, ...] = (
         "block-by-block oracle, and the FP8 dispatch replays bitwise in a CUDA graph (GPU case).",
     ),
     KernelEntry(
+        name="sync_free_deterministic_order",
+        sources=("megatron_deepepv2/sync_free_order.py",),
+        exempt_reason="Integer keys: a scatter-add with at most one contribution per row (zeros into one spare slot) and "
+        "a stable sort, exact by construction; not on a data path yet.",
+        kind="torch-op",
+    ),
+    KernelEntry(
         name="buffer_lifecycle_and_agreement",
         sources=(
             "megatron_deepepv2/buffers.py",
