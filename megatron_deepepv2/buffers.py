@@ -151,8 +151,8 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
     _buffers[key] = buffer
     _stats.builds += 1
     logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
-                "%d ranks%s)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
-                buffer.group_size, ", deterministic" if spec.settings.deterministic else "")
+                "%d ranks)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
+                buffer.group_size)
     return buffer
 
 

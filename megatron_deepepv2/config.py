@@ -54,8 +54,9 @@ class DeepepV2Settings:
         check_ids: Check the expert ids of every direct dispatch (see :mod:`megatron_deepepv2.expert_ids`). Megatron
             layers skip it: their ids come from ``torch.topk``.
         growth_timeout_s: Seconds a rank waits at a buffer build for the other ranks before it raises.
-        deterministic: Bit-exact run to run (DeepEP ``deterministic=True``, ordered reductions). Megatron's
-            ``--deterministic-mode`` turns it on for its layers.
+        deterministic: Bit-exact run to run: received rows in a fixed order (DeepEP's deterministic sort with host sync,
+            :mod:`megatron_deepepv2.sync_free_order` without), ordered reductions. Megatron's ``--deterministic-mode``
+            turns it on for its layers.
         num_sms: SMs for the communication kernels (dispatch, combine and their backward), when Megatron's
             ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset; 0 = DeepEP's choice.
         allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode; None: only when the group spans nodes.
@@ -76,7 +77,7 @@ class DeepepV2Settings:
     validate: bool = False
     check_ids: bool = True
     growth_timeout_s: float = 120.0
-    deterministic: bool = field(default=False, metadata=BUFFER)
+    deterministic: bool = False
     num_sms: int = field(default=64, metadata=BUFFER)
     allow_hybrid_mode: Optional[bool] = field(default=None, metadata=BUFFER)
     host_sync: bool = field(default=True, metadata={"variable": "NO_HOST_SYNC", "inverted": True})

@@ -9,7 +9,8 @@ worst-case receive), so they can run inside a CUDA graph. They take the handle's
 * ``src_token_idx`` ``[N]``: each received token's global source index (DeepEP: ``recv_src_metadata[:, 0]``);
 * ``slots`` ``[N, K]``: the expanded row of each of its selections, ``-1`` for none (``recv_src_metadata[:, 2:]``);
 * ``num_valid_tokens``: 0-dim count of the received tokens that hold data, or None when all ``N`` do;
-* ``block_starts`` ``[E]``: the aligned first row of each local expert's block.
+* ``block_starts`` ``[E]``: the aligned first row of each local expert's block;
+* ``links`` (hybrid mode, compact): entries that point to received rows (DeepEP: ``channel_linked_list``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,30 @@ def compact_order(src_token_idx: torch.Tensor, num_valid_tokens: Optional[torch.
         past = torch.arange(keys.shape[0], device=keys.device) >= num_valid_tokens
         keys = torch.where(past, torch.iinfo(torch.int64).max, keys)
     return torch.sort(keys, stable=True).indices
+
+
+def _moved_to(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the gather index ``order``: where each original row went."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+
+
+def relink(links: torch.Tensor, order: torch.Tensor, num_valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``links`` after the rows were gathered by ``order``: entries pointing to a row below ``num_valid_tokens`` point
+    to where that row went; the others (negative, or past the valid rows) stay.
+
+    Args:
+        links: Integer tensor of row indices (any shape).
+        order: ``[N]`` int64 gather index of the rows (:func:`compact_order`).
+        num_valid_tokens: 0-dim integer count of the rows that hold data, or None for all ``N``.
+
+    Returns:
+        The updated links, in ``links``' dtype and shape.
+    """
+    num_rows = order.shape[0]
+    if num_rows == 0:
+        return links
+    valid = (links >= 0) & (links < (num_rows if num_valid_tokens is None else num_valid_tokens))
+    return torch.where(valid, _moved_to(order)[links.long().clamp(0, num_rows - 1)].to(links.dtype), links)
 
 
 def expand_order(src_token_idx: torch.Tensor, slots: torch.Tensor, block_starts: torch.Tensor, num_rows: int,
@@ -72,7 +97,6 @@ def expand_order(src_token_idx: torch.Tensor, slots: torch.Tensor, block_starts:
     offsets = torch.where(valid, src_token_idx.long().unsqueeze(1) - _EXPERT_STRIDE // 2, 0)
     keys.scatter_add_(0, torch.where(valid, slots.long(), num_rows).flatten(), offsets.flatten())
     order = torch.sort(keys[:num_rows], stable=True).indices
-    moved_to = torch.empty_like(order).scatter_(0, order, rows)
     # Left-out slots may hold anything (rows past the valid tokens are unspecified): clamped to a row, then dropped.
-    new_slots = torch.where(valid, moved_to[slots.long().clamp(0, num_rows - 1)].to(slots.dtype), slots)
+    new_slots = torch.where(valid, _moved_to(order)[slots.long().clamp(0, num_rows - 1)].to(slots.dtype), slots)
     return order, new_slots

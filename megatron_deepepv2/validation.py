@@ -61,8 +61,8 @@ def check_dispatch_config(config: "DispatchConfig") -> None:
 
     Raises:
         ValueError: For a setting out of range, an alignment below 1, zero padding outside the expand layout, padded
-            expand blocks without zero padding, or deterministic mode without host sync on a backend whose
-            ``limits.deterministic_without_host_sync`` is False.
+            expand blocks without zero padding, or deterministic mode where the backend cannot order
+            the received rows (``deterministic_order_problem``).
     """
     check_settings(config.settings)
     alignment = config.expert_alignment
@@ -76,13 +76,13 @@ def check_dispatch_config(config: "DispatchConfig") -> None:
                          "weight gradient reads them. Leave zero_padding unset (it zero-fills whenever blocks are "
                          "padded), or use expert_alignment=1 for blocks without padding.")
     settings = config.settings
-    if settings.deterministic and not settings.host_sync and not config.backend.limits.deterministic_without_host_sync:
-        raise ValueError(
-            f"Dispatch without host sync cannot be combined with deterministic mode on the {config.backend.name} "
-            "backend: DeepEP 2.1.0's deterministic sort selects rows with boolean masks, which synchronises the host "
-            "(and fails in CUDA-graph capture). Turn off MEGATRON_DEEPEPV2_NO_HOST_SYNC, or deterministic mode "
-            "(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode); the reference backend supports "
-            "both together.")
+    problem = settings.deterministic and config.backend.deterministic_order_problem(settings.host_sync)
+    if problem:
+        mode = "Deterministic mode" + ("" if settings.host_sync else " without host sync")
+        raise ValueError(f"{mode} is not available on the {config.backend.name} backend as installed: {problem} "
+                         "Install DeepEP 2.1.0 or V2.5, or turn off deterministic mode (MEGATRON_DEEPEPV2_DETERMINISTIC /"
+                         " Megatron's --deterministic-mode)" + ("." if settings.host_sync else
+                                                                 ", or MEGATRON_DEEPEPV2_NO_HOST_SYNC."))
 
 
 def check_binding(num_experts: int, group_size: int) -> None:

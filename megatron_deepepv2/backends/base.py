@@ -95,8 +95,7 @@ class BufferSpec:
 @dataclass(frozen=True)
 class BackendLimits:
     """Static limits of a backend, checked before any communication (:mod:`megatron_deepepv2.validation`): input
-    dtypes, ``H`` multiples of combine and FP8 dispatch, the largest top-k, CUDA only, and whether deterministic mode
-    runs without host sync."""
+    dtypes, ``H`` multiples of combine and FP8 dispatch, the largest top-k, CUDA only."""
 
     dispatch_dtypes: tuple[torch.dtype, ...]
     combine_dtypes: tuple[torch.dtype, ...]
@@ -104,7 +103,6 @@ class BackendLimits:
     fp8_hidden_multiple: int = 1
     max_topk: int = 32
     requires_cuda: bool = False
-    deterministic_without_host_sync: bool = True
 
 
 class Streams(NamedTuple):
@@ -131,6 +129,7 @@ class DispatchHandle:
         num_topk: Top-k of the routing (``K``).
         num_recv_rows: Rows of the received tensor (the worst case without host sync).
         device_counts, host_counts: Counts the dispatch computed anyway, else derived when first asked for.
+        receive_order: Compact layout ordered by the backend: the gather index each cached dispatch applies again.
     """
 
     buffer: "DispatchBackend"
@@ -141,6 +140,7 @@ class DispatchHandle:
     num_recv_rows: int
     device_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     host_counts: Optional[list[int]] = None
+    receive_order: Optional[torch.Tensor] = None
 
     @property
     def tokens_per_expert_list(self) -> Optional[list[int]]:
@@ -214,6 +214,11 @@ class DispatchBackend(ABC):
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
         """Why this backend cannot run in this process (what is missing, how to fix it), or None when it can."""
+
+    @classmethod
+    def deterministic_order_problem(cls, host_sync: bool) -> Optional[str]:
+        """Why deterministic mode cannot order received rows, with or without ``host_sync``, on this backend as
+        installed, or None when it can."""
 
     @abstractmethod
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],

@@ -8,7 +8,9 @@ setting becomes a DeepEP call argument (the buffer's construction arguments: :me
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -22,6 +24,7 @@ from megatron_deepepv2.deepep_lines import (DEEPEP_2_1, DEEPEP_2_5, DeepEPLine, 
                                             import_deep_ep, line_of_module)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up
 from megatron_deepepv2.sizing import buffer_size_arguments
+from megatron_deepepv2.sync_free_order import compact_order, expand_order, relink
 from megatron_deepepv2.topology import choose_hybrid_mode
 
 logger = logging.getLogger(__name__)
@@ -70,6 +73,12 @@ class _FillOff:
 
 _FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
 
+#: What the deterministic order uses of DeepEP's ``EPHandle``: its own sort (with host sync), and the metadata the
+#: sync-free order reads (constructor arguments).
+_ORDER_NEEDS = {True: ("deterministic_sort",),
+                False: ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                        "num_unaligned_recv_tokens_per_expert", "channel_linked_list")}
+
 
 def _fill_guard() -> contextlib.AbstractContextManager:
     """The context of every DeepEP call: the fill off while deterministic algorithms are on, as DeepEP asserts (the
@@ -89,8 +98,7 @@ class DeepEPBackend(DispatchBackend):
     limits: ClassVar[BackendLimits] = BackendLimits(
         dispatch_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,),
         combine_hidden_multiple=256,  # combine kernel static assert kHidden % 256
-        fp8_hidden_multiple=32, max_topk=32, requires_cuda=True,  # FP8: TMA needs hidden bytes % 32
-        deterministic_without_host_sync=False)  # DeepEP 2.1's deterministic sort reads boolean masks on the host
+        fp8_hidden_multiple=32, max_topk=32, requires_cuda=True)  # FP8: TMA needs hidden bytes % 32
 
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
         super().__init__(group, spec)
@@ -108,7 +116,7 @@ class DeepEPBackend(DispatchBackend):
         # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
         self.buffer = buffer_class(
             group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
-            deterministic=settings.deterministic, allow_hybrid_mode=allow_hybrid,
+            deterministic=False, allow_hybrid_mode=allow_hybrid,  # deterministic mode: _order sorts
             allow_multiple_reduction=True, explicitly_destroy=True)  # multiple reduction: expand combine with weights
         logger.info("DeepEP %s %s: %s mode (%s)", self.line_calls.line.name, self.line_calls.line.buffer_class,
                     "hybrid (RDMA x NVLink)" if allow_hybrid else "direct", why)
@@ -120,6 +128,21 @@ class DeepEPBackend(DispatchBackend):
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
         return deepep_unavailable_reason()  # cached: the probes (import, NCCL query) are slow
+
+    @classmethod
+    def deterministic_order_problem(cls, host_sync: bool) -> Optional[str]:
+        try:
+            deep_ep = import_deep_ep()
+        except ImportError:
+            return None  # said where the backend is chosen (unavailable_reason)
+        buffer_class = getattr(deep_ep, line_of_module(deep_ep).buffer_class)
+        handle_class = getattr(sys.modules.get(buffer_class.__module__), "EPHandle", None)
+        if handle_class is None:
+            return f"deep_ep has no EPHandle next to {buffer_class.__qualname__}, so its handle's layout is unknown."
+        exposed = set(inspect.signature(handle_class).parameters) | set(dir(handle_class))
+        missing = [name for name in _ORDER_NEEDS[host_sync] if name not in exposed]
+        return (f"deep_ep {getattr(deep_ep, '__version__', '(unknown version)')}'s {handle_class.__module__}.EPHandle "
+                f"does not expose {', '.join(missing)} (DeepEP 2.1.0 and V2.5 do)." if missing else None)
 
     def _kwargs(self, kind: str, config: DispatchConfig, num_experts: int, streams: Streams) -> dict[str, Any]:
         """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once per key.
@@ -158,6 +181,8 @@ class DeepEPBackend(DispatchBackend):
                 event.current_stream_wait()
         rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
         handle = DispatchHandle(self, config, native, topk_idx.shape[0], topk_idx.shape[1], rows.shape[0])
+        if config.settings.deterministic:
+            recv_x, recv_idx, recv_weights = self._order(recv_x, recv_idx, recv_weights, handle, cached=False)
         return DispatchResult(recv_x, recv_idx if config.layout is ExpertLayout.COMPACT else None, recv_weights, handle)
 
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
@@ -169,8 +194,40 @@ class DeepEPBackend(DispatchBackend):
                 previous_event=self._previous_event(streams), **self._kwargs("cached", handle.config, 0, streams))
             if streams.async_finish:
                 event.current_stream_wait()
+        if handle.config.settings.deterministic:
+            recv_x, recv_idx, recv_weights = self._order(recv_x, recv_idx, recv_weights, handle, cached=True)
         expand = handle.config.layout is ExpertLayout.EXPAND
         return DispatchResult(recv_x, None if expand else recv_idx, recv_weights, handle)
+
+    @staticmethod
+    def _order(recv_x: HiddenStates, recv_idx: Optional[torch.Tensor], recv_weights: Optional[torch.Tensor],
+               handle: DispatchHandle, cached: bool) -> tuple:
+        """Deterministic mode: a dispatch's outputs in DeepEP's deterministic order, its handle updated to match (as
+        DeepEP's sort leaves it). With host sync, DeepEP's own sort (what a ``deterministic=True`` buffer runs);
+        without, :mod:`~megatron_deepepv2.sync_free_order`: the same order, nothing read on the host."""
+        native, config = handle.native, handle.config
+        rows, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        if config.host_sync:  # a cached dispatch has no host sync in DeepEP either
+            native.deterministic_sort(not cached, cached, rows, scales, recv_idx, recv_weights,
+                                      native.channel_linked_list)
+            return recv_x, recv_idx, recv_weights
+        metadata, num_valid = native.recv_src_metadata, native.psum_num_recv_tokens_per_scaleup_rank[-1]
+        if config.layout is ExpertLayout.EXPAND:
+            if cached:  # DeepEP places a cached expand receive by the slots the first order rewrote
+                return recv_x, recv_idx, recv_weights
+            starts = native.psum_num_recv_tokens_per_expert - native.num_unaligned_recv_tokens_per_expert
+            order, slots = expand_order(metadata[:, 0], metadata[:, 2:], starts, rows.shape[0], num_valid)
+            metadata[:, 2:] = slots
+        else:  # a cached compact receive comes in the first dispatch's order: the same gather applies
+            if not cached:
+                handle.receive_order = compact_order(metadata[:, 0], num_valid)
+                metadata.copy_(metadata[handle.receive_order])
+                if native.channel_linked_list is not None:  # hybrid mode
+                    native.channel_linked_list.copy_(relink(native.channel_linked_list, handle.receive_order, num_valid))
+            order = handle.receive_order
+            recv_idx = None if recv_idx is None else recv_idx[order]
+        rows, scales, recv_weights = (None if t is None else t[order] for t in (rows, scales, recv_weights))
+        return (rows, scales) if scales is not None else rows, recv_idx, recv_weights
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 streams: Streams = SYNC) -> CombineOutput:
