@@ -295,7 +295,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 def _describe(field: str, value: int) -> str:
     if field == "dtype":
         return str(_DTYPE_CODES[value - 1]).removeprefix("torch.") if 0 < value <= len(_DTYPE_CODES) else "another"
-    if field in ("FP8", "deterministic", "allow_hybrid_mode"):
+    if field in ("FP8", "allow_hybrid_mode"):
         return "auto" if value < 0 else "yes" if value else "no"
     return str(value)
 

@@ -357,6 +357,154 @@ def no_host_sync_matches_reference_without_syncs() -> None:
     dv2.destroy_buffers()
 
 
+def _order_routings(tokens: int, hidden: int, experts: int, topk: int, seed: int):
+    """Routings the deterministic order must handle: random with -1 selections and a token with none; half the
+    experts empty (only even ids chosen); most selections dropped."""
+    yield "random", make_routing(tokens, hidden, experts, topk, seed)
+    x, idx, w = make_routing(tokens, hidden, experts // 2, topk, seed + 1)
+    yield "empty experts", (x, torch.where(idx >= 0, idx * 2, idx).contiguous(), w)
+    yield "mostly -1", make_routing(tokens, hidden, experts, topk, seed + 2, drop=0.7)
+
+
+def _by_source(metadata: torch.Tensor) -> torch.Tensor:
+    """An expand handle's metadata rows (one per received token, in arrival order) sorted by source token."""
+    return metadata[metadata[:, 0].long().argsort()]
+
+
+@case
+def sync_free_deterministic_order_equals_deepeps_sort() -> None:
+    """Deterministic mode without host sync (the sync-free order) against DeepEP's own deterministic mode with host
+    sync (a buffer built ``deterministic=True``): the valid rows, weights, compact ids and the handle's metadata,
+    combine with weights and cached dispatch, bitwise, for both layouts with and without alignment, on routings with
+    empty experts and -1 selections; then the autograd ops' output and both gradients, host sync against none."""
+    from megatron_deepepv2.sizing import buffer_size_arguments
+
+    world, group = dist.get_world_size(), dist.group.WORLD
+    hidden, experts, topk, t_max = 1024, 32, 8, 1024
+    settings = DeepepV2Settings(deterministic=True, host_sync=False, num_sms=0)
+    ours = DeepEPBackend(group, BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=t_max,
+                                           settings=settings))
+    deep_ep = sys.modules["deep_ep"]
+    theirs = getattr(deep_ep, ours.line_calls.line.buffer_class)(
+        group, **buffer_size_arguments(t_max, hidden, topk), deterministic=True, allow_hybrid_mode=False,
+        allow_multiple_reduction=True, explicitly_destroy=True)
+    checked = 0
+    try:
+        for name, (x, idx, w) in _order_routings(tokens_for_rank(world, 300), hidden, experts, topk, 31 + RANK):
+            for layout, alignment in ((ExpertLayout.COMPACT, 1), (ExpertLayout.COMPACT, 128), (ExpertLayout.EXPAND, 1),
+                                      (ExpertLayout.EXPAND, 16), (ExpertLayout.EXPAND, 128)):
+                expand, tag = layout is ExpertLayout.EXPAND, f"{name} {layout.value}/align{alignment}"
+                config = DispatchConfig(DeepEPBackend, settings, layout, alignment)
+                got = ours.dispatch(x, idx, w, config, experts)
+                want_x, want_idx, want_w, want_handle, _ = theirs.dispatch(
+                    x, topk_idx=idx, topk_weights=w, num_experts=experts, num_max_tokens_per_rank=t_max,
+                    expert_alignment=alignment, num_sms=ours.num_sms, do_expand=expand, do_zero_padding=config.padded,
+                    do_cpu_sync=True, **ours.line_calls.dispatch_kwargs)
+                rows = want_x.shape[0]
+                assert int(got.handle.num_valid_rows) == rows, (tag, int(got.handle.num_valid_rows), rows)
+                exact(f"{tag} rows", got.recv_x[:rows], want_x)
+                exact(f"{tag} weights", got.recv_topk_weights[:rows], want_w)
+                got_meta, want_meta = got.handle.native.recv_src_metadata, want_handle.recv_src_metadata
+                if expand:  # one metadata row per received token, in arrival order: compared by source token
+                    tokens = want_meta.shape[0]
+                    exact(f"{tag} slots", _by_source(got_meta[:tokens]), _by_source(want_meta))
+                else:
+                    exact(f"{tag} ids", got.recv_topk_idx[:rows], want_idx)
+                    exact(f"{tag} metadata", got_meta[:rows], want_meta)
+                y = (got.recv_x.float() * 0.5).to(torch.bfloat16)
+                got_c = ours.combine(y, got.handle, got.recv_topk_weights)
+                want_c, want_cw, _ = theirs.combine(y[:rows].contiguous(), want_handle, topk_weights=want_w,
+                                                    num_sms=want_handle.num_sms)
+                exact(f"{tag} combine", got_c.x, want_c)
+                exact(f"{tag} combine weights", got_c.topk_weights, want_cw)
+                grad = (x.float() * 2).to(torch.bfloat16)
+                got_g = ours.cached_dispatch(grad, got.handle).recv_x
+                want_g = theirs.dispatch(grad, handle=want_handle, num_sms=want_handle.num_sms, do_expand=expand,
+                                         do_zero_padding=expand, **ours.line_calls.dispatch_kwargs)[0]
+                exact(f"{tag} cached dispatch", got_g[:rows], want_g)
+                checked += 1
+        # What ordering adds to a dispatch without host sync (compact and expand, the random routing).
+        x, idx, w = make_routing(tokens_for_rank(world, 300), hidden, experts, topk, 31 + RANK)
+        for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
+            times = {}
+            for deterministic in (False, True):
+                config = DispatchConfig(DeepEPBackend, DeepepV2Settings(deterministic=deterministic, host_sync=False,
+                                                                        num_sms=0), layout, 16 if layout is
+                                        ExpertLayout.EXPAND else 1)
+                times[deterministic] = median_us(lambda: ours.dispatch(x, idx, w, config, experts), 30, 5, cuda=True)
+            log(f"  {layout.value} dispatch without host sync: {times[False]:.0f} us, deterministic {times[True]:.0f} us"
+                f" (T={x.shape[0]} H={hidden} E={experts} top-{topk})")
+    finally:
+        ours.destroy()
+        theirs.destroy()
+    log(f"  {checked} routings x layouts equal DeepEP's deterministic mode with host sync")
+    for layout in ("compact", "expand"):
+        with dv2.settings_override(deterministic=True):
+            inputs = _ops_inputs()
+            host_sync = _ops_run("deepep", layout, inputs)
+            sync_free = _ops_run("deepep", layout, inputs, host_sync=False)
+        for name, a, b in zip(("output", "grad_x", "grad_probs"), sync_free, host_sync):
+            exact(f"ops {layout} {name}", a, b)
+    dv2.destroy_buffers()
+
+
+def _device_to_host_copies(step: Callable[[], None]) -> list[str]:
+    """Names of the device-to-host copies ``step`` makes, from a ``torch.profiler`` trace of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events() if "DtoH" in event.name or "Device -> Host" in event.name]
+
+
+@case
+def deterministic_graph_replays_bit_exact() -> None:
+    """Deterministic mode without host sync: a deepepv2 MoELayer (sync-free experts) forward+backward captured in one
+    CUDA graph; ten replays on one input are bitwise equal to each other and to an eager step (output, input and
+    router gradients, every expert weight gradient), with the setting and with Megatron's --deterministic-mode
+    (torch's deterministic algorithms); the profiler sees no device-to-host copy in an eager step or a replay."""
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
+
+    dv2.install()
+    tokens = 512
+    for mode in ("setting", "megatron"):
+        extra = {"deterministic_mode": True} if mode == "megatron" else {}
+        shape = TinyMoEConfig(hidden=1024, ffn=512, num_experts=16, topk=4, params_dtype=torch.bfloat16, extra=extra)
+        inputs, grad = _layer_inputs(shape, tokens, seed=300)
+        dv2.configure(backend="deepep", host_sync=False, num_max_tokens_per_rank=tokens, deterministic=True)
+        torch.use_deterministic_algorithms(mode == "megatron")
+        try:
+            layer = build_moe_layer(shape, "deepepv2", seed=17, sync_free_experts=True)
+            static_x = inputs[0].clone().requires_grad_()
+            layer_step(layer, static_x, grad)
+            graph, static_y = capture_layer_step(layer, static_x, grad)
+            static = {"output": static_y, "grad_x": static_x.grad}
+            static.update({n: p.grad for n, p in layer.named_parameters() if p.grad is not None})
+            eager_x = inputs[1].clone().requires_grad_()
+            eager = _snapshot(layer, eager_x, layer_step(layer, eager_x, grad))
+            eager_copies = _device_to_host_copies(lambda: layer_step(layer, eager_x, grad))
+            replays = []
+            for _ in range(10):
+                static_x.data.copy_(inputs[1])
+                graph.replay()
+                torch.cuda.synchronize()
+                replays.append({name: tensor.detach().clone() for name, tensor in static.items()})
+            replay_copies = _device_to_host_copies(graph.replay)
+            assert replays[0].keys() == eager.keys(), (replays[0].keys(), eager.keys())
+            for i, replayed in enumerate(replays):
+                for name in eager:
+                    exact(f"{mode} replay {i} {name}", replayed[name], eager[name])
+            assert not eager_copies and not replay_copies, f"device-to-host copies: {eager_copies} / {replay_copies}"
+            log(f"  {mode}: 10 replays bitwise equal to each other and to eager ({len(eager)} tensors); no "
+                "device-to-host copy in an eager step or a replay")
+        finally:
+            torch.use_deterministic_algorithms(False)
+            graph = layer = None
+            dv2.destroy_buffers()
+    dv2.configure(host_sync=True, num_max_tokens_per_rank=None, deterministic=False)
+
+
 def _graph_layer(backend: str, shape, tokens: int):
     from megatron_deepepv2.testing.moe_model import build_moe_layer
 
