@@ -399,18 +399,22 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
                 want_x, want_idx, want_w, want_handle, _ = theirs.dispatch(
                     x, topk_idx=idx, topk_weights=w, num_experts=experts, num_max_tokens_per_rank=t_max,
                     expert_alignment=alignment, num_sms=ours.num_sms, do_expand=expand, do_zero_padding=config.padded,
-                    do_cpu_sync=True, **ours.line_calls.dispatch_kwargs)
+                    do_cpu_sync=True, **dict(ours.line_calls.dispatch_kwargs))
                 rows = want_x.shape[0]
                 assert int(got.handle.num_valid_rows) == rows, (tag, int(got.handle.num_valid_rows), rows)
                 exact(f"{tag} rows", got.recv_x[:rows], want_x)
                 exact(f"{tag} weights", got.recv_topk_weights[:rows], want_w)
+                # Metadata: column 0 the source token, columns 2.. the expand rows of its selections (column 1 and
+                # compact's slot columns hold DeepEP-internal positions, which differ between dispatches).
                 got_meta, want_meta = got.handle.native.recv_src_metadata, want_handle.recv_src_metadata
                 if expand:  # one metadata row per received token, in arrival order: compared by source token
                     tokens = want_meta.shape[0]
-                    exact(f"{tag} slots", _by_source(got_meta[:tokens]), _by_source(want_meta))
+                    got_meta, want_meta = _by_source(got_meta[:tokens]), _by_source(want_meta)
+                    exact(f"{tag} slots", got_meta[:, 2:], want_meta[:, 2:])
                 else:
                     exact(f"{tag} ids", got.recv_topk_idx[:rows], want_idx)
-                    exact(f"{tag} metadata", got_meta[:rows], want_meta)
+                    got_meta = got_meta[:rows]
+                exact(f"{tag} metadata sources", got_meta[:, 0], want_meta[:, 0])
                 y = (got.recv_x.float() * 0.5).to(torch.bfloat16)
                 got_c = ours.combine(y, got.handle, got.recv_topk_weights)
                 want_c, want_cw, _ = theirs.combine(y[:rows].contiguous(), want_handle, topk_weights=want_w,
@@ -420,10 +424,11 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
                 grad = (x.float() * 2).to(torch.bfloat16)
                 got_g = ours.cached_dispatch(grad, got.handle).recv_x
                 want_g = theirs.dispatch(grad, handle=want_handle, num_sms=want_handle.num_sms, do_expand=expand,
-                                         do_zero_padding=expand, **ours.line_calls.dispatch_kwargs)[0]
+                                         do_zero_padding=expand, **dict(ours.line_calls.dispatch_kwargs))[0]
                 exact(f"{tag} cached dispatch", got_g[:rows], want_g)
                 checked += 1
-        # What ordering adds to a dispatch without host sync (compact and expand, the random routing).
+        # What ordering adds to a dispatch without host sync (compact and expand, the random routing), called eagerly
+        # and replayed from a CUDA graph (no launch cost: the GPU time).
         x, idx, w = make_routing(tokens_for_rank(world, 300), hidden, experts, topk, 31 + RANK)
         for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
             times = {}
@@ -432,8 +437,13 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
                                                                         num_sms=0), layout, 16 if layout is
                                         ExpertLayout.EXPAND else 1)
                 times[deterministic] = median_us(lambda: ours.dispatch(x, idx, w, config, experts), 30, 5, cuda=True)
-            log(f"  {layout.value} dispatch without host sync: {times[False]:.0f} us, deterministic {times[True]:.0f} us"
-                f" (T={x.shape[0]} H={hidden} E={experts} top-{topk})")
+                graph, _ = _capture(lambda xin: ours.dispatch(xin, idx, w, config, experts).recv_x, x.clone())
+                times[deterministic, "graph"] = median_us(graph.replay, 30, 5, cuda=True)
+                del graph
+            log(f"  {layout.value} dispatch without host sync, eager / graph replay: {times[False]:.0f} / "
+                f"{times[False, 'graph']:.0f} us, deterministic {times[True]:.0f} / {times[True, 'graph']:.0f} us "
+                f"(T={x.shape[0]} H={hidden} E={experts} top-{topk}, {ours.spec.num_max_tokens_per_rank} tokens per "
+                "rank at most)")
     finally:
         ours.destroy()
         theirs.destroy()
