@@ -4,7 +4,9 @@
 rank's inputs, gathered whole (``all_gather_object``), with plain Python loops over tokens and slots: received rows
 in (source rank, token) order, expand blocks per local expert padded to the alignment, and combine sums in FP32.
 It shares no code with the package's backends, so a stand-in built on it checks the adapter against an independent
-computation, not against the reference backend.
+computation, not against the reference backend. Its receive order is DeepEP's deterministic order; a stand-in
+scrambles it where DeepEP's order is its own, and uses :meth:`DenseExchange.gather_inputs` and
+:meth:`DenseExchange.sum_at_sources` to place and reduce rows by its own handle's metadata.
 """
 
 from __future__ import annotations
@@ -130,6 +132,13 @@ class DenseExchange:
                     weights[i] = all_w[src][t]
         return outs, weights
 
+    def gather_inputs(self, x, topk_weights: Optional[torch.Tensor]):
+        """Every rank's rows and weights: ``(all_x, all_w)``, ``all_x[rank]`` the list of x's tensors (one, or the
+        two of an FP8 pair), ``all_w`` None without weights. Collective."""
+        gathered = _gather((_tensors(x), topk_weights), self.group)
+        all_w = [g[1] for g in gathered] if topk_weights is not None else None
+        return [_untensors(g[0]) for g in gathered], all_w
+
     def dispatch(self, x, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], *, num_experts: int,
                  expand: bool, alignment: int, cpu_sync: bool):
         """Fresh dispatch: returns ``(recv_x, recv_local_idx or None, recv_weights, plan)``."""
@@ -146,9 +155,7 @@ class DenseExchange:
 
     def cached_dispatch(self, x, plan: DensePlan, topk_weights: Optional[torch.Tensor]):
         """Replays ``plan`` with new rows: returns ``(recv_x, recv_weights)``."""
-        gathered = _gather((_tensors(x), topk_weights), self.group)
-        all_w = [g[1] for g in gathered] if topk_weights is not None else None
-        outs, weights = self._place(plan, [_untensors(g[0]) for g in gathered], all_w)
+        outs, weights = self._place(plan, *self.gather_inputs(x, topk_weights))
         return (tuple(outs) if isinstance(x, tuple) else outs[0]), weights
 
     def combine(self, x: torch.Tensor, plan: DensePlan, topk_weights: Optional[torch.Tensor]):
@@ -173,14 +180,33 @@ class DenseExchange:
                     for k in range(plan.num_topk):
                         if plan.local_idx[i, k] >= 0:
                             slot_weight[(src, t, k)] = float(topk_weights[i, k])
-        gathered = _gather((partial, slot_weight), self.group)
-        combined = torch.zeros((plan.num_tokens, x.shape[1]), dtype=acc)
-        weights = torch.zeros((plan.num_tokens, plan.num_topk), dtype=torch.float32) if topk_weights is not None else None
+        return self.sum_at_sources(partial, slot_weight if topk_weights is not None else None, plan.num_tokens,
+                                   plan.num_topk, x)
+
+    def sum_at_sources(self, partial: dict[tuple[int, int], torch.Tensor],
+                       slot_weight: Optional[dict[tuple[int, int, int], float]], num_tokens: int, num_topk: int,
+                       like: torch.Tensor):
+        """Sends each rank's per-token contributions home and sums them there (collective).
+
+        Args:
+            partial: This rank's contribution to each (source rank, token), in ``like``'s dtype.
+            slot_weight: The weight this rank holds for each (source rank, token, slot), or None without weights.
+            num_tokens, num_topk: This rank's dispatch input shape.
+            like: The combine input (its dtype and width).
+
+        Returns:
+            ``(combined [num_tokens, H] in like's dtype, weights [num_tokens, K] fp32 or None)``; the sum runs in FP32
+            or wider, in rank order.
+        """
+        acc = torch.promote_types(like.dtype, torch.float32)
+        gathered = _gather((partial, slot_weight or {}), self.group)
+        combined = torch.zeros((num_tokens, like.shape[1]), dtype=acc)
+        weights = torch.zeros((num_tokens, num_topk), dtype=torch.float32) if slot_weight is not None else None
         for rank_partial, rank_weights in gathered:
             for (src, t), row in rank_partial.items():
                 if src == self.rank:
                     combined[t] += row.to(acc)
             for (src, t, k), value in rank_weights.items():
-                if src == self.rank:
+                if src == self.rank and weights is not None:
                     weights[t, k] = value
-        return combined.to(x.dtype), weights
+        return combined.to(like.dtype), weights

@@ -95,22 +95,27 @@ def test_dispatch_config_resolved_once_and_foreign_weight_mask_optional() -> Non
     run_distributed(_config_case, 2)
 
 
-def test_dispatch_config_runs_the_backend_mode_checks_when_resolved() -> None:
+def test_dispatch_config_runs_the_backend_mode_checks_when_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_deepepv2.backends import DeepEPBackend
+    from tests.unit.test_deepep_adapter import EPHandle, install_deep_ep_with_handle
+
+    class HandleWithoutMetadata:  # a DeepEP whose handle keeps none of what the sync-free order reads
+        def deterministic_sort(self, *args) -> None: ...
 
     # The mode check needs no process group: it fails when the configuration is made, before any dispatch.
-    assert DeepEPBackend.limits.deterministic_without_host_sync is False
-    with pytest.raises(ValueError, match="without host sync cannot be combined with deterministic mode on the deepep"):
+    install_deep_ep_with_handle(monkeypatch, HandleWithoutMetadata)
+    refused = ("Deterministic mode without host sync is not available on the deepep backend as installed: "
+               ".*recv_src_metadata")
+    with pytest.raises(ValueError, match=refused):
         dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
+    assert dv2.resolve_config(backend=DeepEPBackend, host_sync=True, deterministic=True).settings.deterministic
     assert dv2.resolve_config(backend=DeepEPBackend, host_sync=False).host_sync is False
     assert dv2.resolve_config(backend="reference", host_sync=False, deterministic=True).settings.deterministic
-    original = DeepEPBackend.unavailable_reason
-    DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
-    try:
-        with pytest.raises(ValueError, match="without host sync cannot be combined with deterministic"):
-            dv2.resolve_config(backend="deepep", host_sync=False, deterministic=True)
-    finally:
-        DeepEPBackend.unavailable_reason = original
+    monkeypatch.setattr(DeepEPBackend, "unavailable_reason", classmethod(lambda cls: None))
+    with pytest.raises(ValueError, match=refused):  # by name too
+        dv2.resolve_config(backend="deepep", host_sync=False, deterministic=True)
+    install_deep_ep_with_handle(monkeypatch, EPHandle)  # a handle with everything: accepted
+    assert not dv2.resolve_config(backend="deepep", host_sync=False, deterministic=True).host_sync
 
 
 def test_zero_padding_is_a_request_and_padding_follows_the_alignment() -> None:

@@ -1,11 +1,12 @@
-"""The sync-free deterministic receive order against a dense per-expert sort in plain Python."""
+"""The sync-free deterministic receive order against a dense per-expert sort in plain Python, and the relinking of
+hybrid mode's linked list against a boolean-mask selection (the way a host-sync implementation writes it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_deepepv2.sync_free_order import compact_order, expand_order
+from megatron_deepepv2.sync_free_order import compact_order, expand_order, relink
 
 
 def _expand_receive(seed: int, num_tokens: int, topk: int, experts: int, alignment: int, empty: set[int],
@@ -88,7 +89,7 @@ def test_expand_order_of_no_rows_and_of_no_selections() -> None:
 @pytest.mark.parametrize("valid", [None, 0, 7, 30])
 def test_compact_order_sorts_by_source_token_with_the_tail_last(valid) -> None:
     gen = torch.Generator().manual_seed(3)
-    src = torch.randperm(10**9, generator=gen)[:30]
+    src = torch.randperm(10**6, generator=gen)[:30] * 997 + 5  # unique, up to ~1e9
     count = 30 if valid is None else valid
     order = compact_order(src, None if valid is None else torch.tensor(valid))
     expected = sorted(range(count), key=lambda r: int(src[r])) + list(range(count, 30))
@@ -102,3 +103,53 @@ def test_the_order_reads_nothing_on_the_host() -> None:
                                     torch.tensor(20, device="meta"))
     assert order.shape == (num_rows,) and new_slots.shape == slots.shape
     assert compact_order(src.to("meta"), torch.tensor(20, device="meta")).shape == src.shape
+
+
+def _dense_relink(links: torch.Tensor, order: torch.Tensor, num_valid: int) -> torch.Tensor:
+    """Boolean-mask selection, as with a host sync: the entries naming a valid row take that row's new position."""
+    new_position = torch.argsort(order)  # the inverse of the gather permutation
+    out = links.clone()
+    points_to_a_row = (links >= 0) & (links < num_valid)
+    out[points_to_a_row] = new_position[links[points_to_a_row].long()].to(links.dtype)
+    return out
+
+
+@pytest.mark.parametrize("valid", [None, 0, 9, 25])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("any_order", [False, True])
+def test_relink_points_the_links_to_where_their_rows_went(valid, dtype: torch.dtype, any_order: bool) -> None:
+    """``any_order``: a gather that also moves the rows past the valid ones (compact_order leaves them in place);
+    links to those still stay."""
+    num_rows = 25
+    gen = torch.Generator().manual_seed(5 + (valid or 0))
+    src = torch.randperm(10**6, generator=gen)[:num_rows] * 1009 + 3
+    num_valid = num_rows if valid is None else valid
+    order = torch.randperm(num_rows, generator=gen) if any_order else compact_order(
+        src, None if valid is None else torch.tensor(valid))
+    # Entries to rows (valid or not), negative ones, and ones past every row.
+    links = torch.randint(-4, num_rows + 6, (3, 40), generator=gen, dtype=dtype)
+    links[0, :4] = torch.tensor([-1, -7, num_rows, num_rows + 100], dtype=dtype)
+    assert (links < 0).any() and (links >= num_valid).any() and ((links >= 0) & (links < num_valid)).any() == (
+        num_valid > 0)
+    got = relink(links, order, None if valid is None else torch.tensor(valid))
+    assert got.dtype == dtype and got.shape == links.shape
+    assert torch.equal(got, _dense_relink(links, order, num_valid))
+    # What the links are for: each still reaches the same source token after the rows are gathered.
+    moved = (links >= 0) & (links < num_valid)
+    assert torch.equal(src[order][got[moved].long()], src[links[moved].long()])
+    assert torch.equal(got[~moved], links[~moved])
+
+
+def test_relink_of_no_rows_and_of_no_links() -> None:
+    links = torch.tensor([[-1, 0, 3], [2, -2, 1]], dtype=torch.int32)
+    empty_order = torch.zeros(0, dtype=torch.int64)
+    assert torch.equal(relink(links, empty_order), links)
+    assert torch.equal(relink(links, empty_order, torch.tensor(0)), links)
+    order = compact_order(torch.tensor([30, 10, 20, 0]))
+    none = torch.zeros((2, 0), dtype=torch.int32)
+    assert relink(none, order).shape == (2, 0)
+    # Every row valid, ordered [3, 1, 2, 0]: row 0 went to 3, row 1 stayed, row 2 stayed, row 3 went to 0.
+    assert relink(links, order).tolist() == [[-1, 3, 0], [2, -2, 1]]
+    # Two valid rows, ordered [1, 0, 2, 3]: rows 0 and 1 swapped; links past them stay.
+    two = torch.tensor(2)
+    assert relink(links, compact_order(torch.tensor([30, 10, 20, 0]), two), two).tolist() == [[-1, 1, 3], [2, -2, 0]]

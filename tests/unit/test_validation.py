@@ -452,3 +452,71 @@ def test_sync_free_experts_refuse_what_they_cannot_run(change: dict, tp: int, ph
     check_sync_free_experts(SimpleNamespace(**fields), 1)  # what they run: no error
     with pytest.raises(ValueError, match=re.escape(phrase)):
         check_sync_free_experts(SimpleNamespace(**{**fields, **change}), tp)
+
+
+# ---------------------------------------------------------------- deterministic mode: what the installed DeepEP exposes
+class _HandleWithoutUnalignedCounts:
+    """An ``EPHandle`` that keeps neither the expand layout's unaligned counts nor anything named for them."""
+
+    def __init__(self, recv_src_metadata, psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert,
+                 channel_linked_list) -> None:
+        self.recv_src_metadata = recv_src_metadata
+
+    def deterministic_sort(self, do_cpu_sync, is_cached_dispatch, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
+                           channel_linked_list) -> None:
+        raise AssertionError("never called by a check")
+
+
+class _HandleWithoutSort:
+    """An ``EPHandle`` with every metadata field (as class attributes: found through ``dir``) but no sort."""
+
+    recv_src_metadata = psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_expert = None
+    num_unaligned_recv_tokens_per_expert = channel_linked_list = None
+
+
+def _deterministic_config(host_sync: bool, deterministic: bool = True):
+    from megatron_deepepv2.backends import DispatchConfig
+    from megatron_deepepv2.config import DeepepV2Settings
+
+    return DispatchConfig(DeepEPBackend, DeepepV2Settings(deterministic=deterministic, host_sync=host_sync))
+
+
+@pytest.mark.parametrize("handle, host_sync, missing", [
+    (_HandleWithoutUnalignedCounts, False, "does not expose num_unaligned_recv_tokens_per_expert"),
+    (_HandleWithoutUnalignedCounts, True, None),  # DeepEP's own sort needs none of them
+    (_HandleWithoutSort, True, "does not expose deterministic_sort"),
+    (_HandleWithoutSort, False, None),
+    (None, True, "deep_ep has no EPHandle next to ElasticBuffer"),
+    (None, False, "deep_ep has no EPHandle next to ElasticBuffer"),
+])
+def test_deterministic_mode_is_refused_where_the_installed_handle_lacks_what_the_order_reads(
+        monkeypatch: pytest.MonkeyPatch, handle, host_sync: bool, missing) -> None:
+    from megatron_deepepv2.validation import check_dispatch_config
+    from tests.unit.test_deepep_adapter import install_deep_ep_with_handle
+
+    install_deep_ep_with_handle(monkeypatch, handle)
+    config = _deterministic_config(host_sync)
+    if missing is None:
+        check_dispatch_config(config)
+        assert dv2.resolve_config(backend=DeepEPBackend, deterministic=True, host_sync=host_sync).settings.deterministic
+    else:
+        mode = "Deterministic mode" + ("" if host_sync else " without host sync")
+        for check in (lambda: check_dispatch_config(config),
+                      lambda: dv2.resolve_config(backend=DeepEPBackend, deterministic=True, host_sync=host_sync)):
+            with pytest.raises(ValueError, match=f"{mode} is not available on the deepep backend as installed: "
+                                                 f".*{re.escape(missing)}"):
+                check()
+    check_dispatch_config(_deterministic_config(host_sync, deterministic=False))  # nothing to order
+
+
+@pytest.mark.parametrize("line", ["2.1", "V2.5"])
+@pytest.mark.parametrize("host_sync", [True, False])
+def test_deterministic_mode_is_accepted_with_the_stand_ins_full_handle(monkeypatch: pytest.MonkeyPatch, line: str,
+                                                                       host_sync: bool) -> None:
+    """The stand-in's ``EPHandle`` (what the CPU ordering tests run against) exposes everything, on both lines."""
+    from megatron_deepepv2.validation import check_dispatch_config
+    from tests.unit.test_deepep_adapter import EPHandle, install_deep_ep_with_handle
+
+    install_deep_ep_with_handle(monkeypatch, EPHandle, line)
+    assert DeepEPBackend.deterministic_order_problem(host_sync) is None
+    check_dispatch_config(_deterministic_config(host_sync))
