@@ -9,15 +9,18 @@ Two lines provide the expert-parallel buffer the backends drive:
 
 A ``deep_ep`` that exports only ``Buffer`` is DeepEP v1 (or HybridEP, which installs a module of the same name).
 The doctor, the installer and the backend's import check all ask this module, so the requirements live in one place;
-:func:`import_deep_ep` and :func:`deepep_unavailable_reason` are the backend's import and availability checks.
+:func:`import_deep_ep` and :func:`deepep_unavailable_reason` are the backend's import and availability checks, and
+:func:`handle_order_problem` says whether the installed handle allows deterministic mode.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -171,6 +174,39 @@ def deepep_unavailable_reason() -> Optional[str]:
         return (f"PyTorch loaded NCCL {version_text(nccl)}; DeepEP {line.name} ({line.buffer_class}) needs >= "
                 f"{version_text(line.min_nccl)}. {INSTALL_HINT}")
     return None
+
+
+#: What deterministic mode uses of DeepEP's ``EPHandle``, with host sync (DeepEP's own sort) and without (the metadata
+#: :mod:`megatron_deepepv2.sync_free_order` reads; constructor arguments).
+HANDLE_ORDER_NEEDS = {True: ("deterministic_sort",),
+                      False: ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank",
+                              "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
+                              "channel_linked_list")}
+
+
+def handle_order_problem(host_sync: bool) -> Optional[str]:
+    """Why the installed DeepEP's dispatch handle cannot order received rows deterministically, with or without
+    ``host_sync``, or None when it can (also when ``deep_ep`` is missing: :func:`deepep_unavailable_reason` says so).
+
+    The handle class is the ``EPHandle`` of the module that defines the buffer class; what it exposes is its
+    constructor's parameters and its attributes (:data:`HANDLE_ORDER_NEEDS`).
+    """
+    try:
+        deep_ep = import_deep_ep()
+    except ImportError:
+        return None
+    buffer_class = getattr(deep_ep, line_of_module(deep_ep).buffer_class)
+    handle_class = getattr(sys.modules.get(buffer_class.__module__), "EPHandle", None)
+    if handle_class is None:
+        return f"deep_ep has no EPHandle next to {buffer_class.__qualname__}, so its handle's layout is unknown."
+    try:
+        exposed = set(inspect.signature(handle_class).parameters)
+    except (TypeError, ValueError):  # a compiled class: only its attributes are known
+        exposed = set()
+    exposed |= set(dir(handle_class))
+    missing = [name for name in HANDLE_ORDER_NEEDS[host_sync] if name not in exposed]
+    return (f"deep_ep {getattr(deep_ep, '__version__', '(unknown version)')}'s {handle_class.__module__}.EPHandle "
+            f"does not expose {', '.join(missing)} (DeepEP 2.1.0 and V2.5 do)." if missing else None)
 
 
 def mapped_nccl_libraries() -> list[str]:

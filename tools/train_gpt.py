@@ -334,8 +334,9 @@ def plot(document: dict, path: str) -> None:
     groups = [(label, g) for label, g in document.get("configurations", {}).items() if g["tokens_per_s"]]
     tokens = [g["tokens_per_s"] / 1e3 for _, g in groups]
     # The error bars span the configuration's runs (tokens/s of the slowest and the fastest run).
-    lows = [t - t * g["median_step_ms"] / max(g["median_step_ms_each"]) for t, (_, g) in zip(tokens, groups)]
-    highs = [t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t for t, (_, g) in zip(tokens, groups)]
+    # Clamped at 0: for a single run the two sides differ only by rounding, which may come out below 0.
+    lows = [max(0.0, t - t * g["median_step_ms"] / max(g["median_step_ms_each"])) for t, (_, g) in zip(tokens, groups)]
+    highs = [max(0.0, t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t) for t, (_, g) in zip(tokens, groups)]
     bars = right.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
     right.bar_label(bars, fmt="%.0f", fontsize=7)
     right.set_xticks(range(len(groups)), [f"{label} (x{len(g['runs'])})" for label, g in groups], rotation=20,

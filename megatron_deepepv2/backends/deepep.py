@@ -8,9 +8,7 @@ setting becomes a DeepEP call argument (the buffer's construction arguments: :me
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -21,7 +19,7 @@ from megatron_deepepv2._dist import collective_device
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.deepep_lines import (DEEPEP_2_1, DEEPEP_2_5, DeepEPLine, deepep_unavailable_reason,
-                                            import_deep_ep, line_of_module)
+                                            handle_order_problem, import_deep_ep, line_of_module)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up
 from megatron_deepepv2.sizing import buffer_size_arguments
 from megatron_deepepv2.sync_free_order import compact_order, expand_order, relink
@@ -72,12 +70,6 @@ class _FillOff:
 
 
 _FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
-
-#: What the deterministic order uses of DeepEP's ``EPHandle``: its own sort (with host sync), and the metadata the
-#: sync-free order reads (constructor arguments).
-_ORDER_NEEDS = {True: ("deterministic_sort",),
-                False: ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
-                        "num_unaligned_recv_tokens_per_expert", "channel_linked_list")}
 
 
 def _fill_guard() -> contextlib.AbstractContextManager:
@@ -131,18 +123,7 @@ class DeepEPBackend(DispatchBackend):
 
     @classmethod
     def deterministic_order_problem(cls, host_sync: bool) -> Optional[str]:
-        try:
-            deep_ep = import_deep_ep()
-        except ImportError:
-            return None  # said where the backend is chosen (unavailable_reason)
-        buffer_class = getattr(deep_ep, line_of_module(deep_ep).buffer_class)
-        handle_class = getattr(sys.modules.get(buffer_class.__module__), "EPHandle", None)
-        if handle_class is None:
-            return f"deep_ep has no EPHandle next to {buffer_class.__qualname__}, so its handle's layout is unknown."
-        exposed = set(inspect.signature(handle_class).parameters) | set(dir(handle_class))
-        missing = [name for name in _ORDER_NEEDS[host_sync] if name not in exposed]
-        return (f"deep_ep {getattr(deep_ep, '__version__', '(unknown version)')}'s {handle_class.__module__}.EPHandle "
-                f"does not expose {', '.join(missing)} (DeepEP 2.1.0 and V2.5 do)." if missing else None)
+        return handle_order_problem(host_sync)
 
     def _kwargs(self, kind: str, config: DispatchConfig, num_experts: int, streams: Streams) -> dict[str, Any]:
         """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once per key.
@@ -205,16 +186,16 @@ class DeepEPBackend(DispatchBackend):
         """Deterministic mode: a dispatch's outputs in DeepEP's deterministic order, its handle updated to match (as
         DeepEP's sort leaves it). With host sync, DeepEP's own sort (what a ``deterministic=True`` buffer runs);
         without, :mod:`~megatron_deepepv2.sync_free_order`: the same order, nothing read on the host."""
-        native, config = handle.native, handle.config
+        native, expand = handle.native, handle.config.layout is ExpertLayout.EXPAND
+        if cached and expand:  # placed by the slots the first order rewrote (DeepEP's sort leaves it too)
+            return recv_x, recv_idx, recv_weights
         rows, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        if config.host_sync:  # a cached dispatch has no host sync in DeepEP either
+        if handle.config.host_sync:  # a cached dispatch has no host sync in DeepEP either
             native.deterministic_sort(not cached, cached, rows, scales, recv_idx, recv_weights,
                                       native.channel_linked_list)
             return recv_x, recv_idx, recv_weights
         metadata, num_valid = native.recv_src_metadata, native.psum_num_recv_tokens_per_scaleup_rank[-1]
-        if config.layout is ExpertLayout.EXPAND:
-            if cached:  # DeepEP places a cached expand receive by the slots the first order rewrote
-                return recv_x, recv_idx, recv_weights
+        if expand:
             starts = native.psum_num_recv_tokens_per_expert - native.num_unaligned_recv_tokens_per_expert
             order, slots = expand_order(metadata[:, 0], metadata[:, 2:], starts, rows.shape[0], num_valid)
             metadata[:, 2:] = slots

@@ -264,10 +264,11 @@ HOT_PATH = "manager,ops,buffers,validation,backends.base,backends.deepep"
 
 
 def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
-    """From the Megatron manager down: at most 7 floors, no import back up, and the narrow hot path at most 1,600
-    lines (docstrings state contracts; reasons and measurements live in docs/internals.md)."""
+    """From the Megatron manager down: at most 7 floors, no import back up, and the narrow hot path at most 1,650
+    lines, deterministic mode's ordering included (docstrings state contracts; reasons and measurements live in
+    docs/internals.md)."""
     out = tmp_path / "report.json"
     assert import_graph.main(["--roots", "manager", "--modules", HOT_PATH, "--json", str(out),
                               "--max-floors", "7", "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert report["line_counts"]["sum"]["total"] <= 1600, report["line_counts"]
+    assert report["line_counts"]["sum"]["total"] <= 1650, report["line_counts"]

@@ -152,13 +152,21 @@ def test_no_host_sync_setting_from_environment() -> None:
         DeepepV2Settings.from_env({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "maybe"})
 
 
-def test_deepep_rejects_no_host_sync_with_deterministic() -> None:
+def test_deepep_takes_no_host_sync_with_deterministic_where_its_handle_allows(monkeypatch) -> None:
+    """Deterministic mode without host sync resolves on DeepEP when the installed handle exposes what the order reads,
+    and is refused, naming it, when it does not."""
     from megatron_deepepv2.backends import DeepEPBackend
 
-    with pytest.raises(ValueError, match="cannot be combined with deterministic mode"):
+    monkeypatch.setattr(DeepEPBackend, "deterministic_order_problem", classmethod(
+        lambda cls, host_sync: None if host_sync else "EPHandle does not expose recv_src_metadata."))
+    with pytest.raises(ValueError, match="without host sync is not available on the deepep backend as installed: "
+                                         "EPHandle does not expose recv_src_metadata"):
         dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
     assert dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=False).host_sync is False
     assert dv2.resolve_config(backend=DeepEPBackend, host_sync=True, deterministic=True).settings.deterministic
+    monkeypatch.setattr(DeepEPBackend, "deterministic_order_problem", classmethod(lambda cls, host_sync: None))
+    config = dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
+    assert config.settings.deterministic and not config.host_sync
 
 
 # ----------------------------------------------------------------------------------------------

@@ -147,3 +147,15 @@ def test_profile_option_needs_a_window_and_a_file(capsys) -> None:
     with pytest.raises(SystemExit):
         train_gpt.main(["record", "--out", "x.jsonl", "--profile", "3:5", "--", "s.py"])
     assert "--profile needs --profile-out" in capsys.readouterr().err
+
+
+def test_plot_of_a_single_run_whose_error_bar_rounds_below_zero(tmp_path: Path) -> None:
+    """One run of a configuration: its error bar is zero wide, also where the arithmetic rounds it below zero
+    (a recorded run's values: its upper bar computes as -7e-15)."""
+    median = 65.88396649999595
+    document = {"runs": [{"run": "order-graphs", "label": "order-graphs", "loss": {"1": 10.5, "2": 10.4}}],
+                "configurations": {"order-graphs": {"tokens_per_s": 62169.90593607099, "median_step_ms": median,
+                                                    "median_step_ms_each": [median], "runs": ["order-graphs"]}}}
+    path = tmp_path / "plot.png"
+    train_gpt.plot(document, str(path))
+    assert path.stat().st_size > 0
