@@ -101,9 +101,12 @@ KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry(
         name="sync_free_deterministic_order",
         sources=("megatron_deepepv2/sync_free_order.py",),
-        exempt_reason="Integer keys: a scatter-add with at most one contribution per row (zeros into one spare slot) and "
-        "a stable sort, exact by construction; not on a data path yet.",
+        tests=("tests/unit/test_sync_free_order.py", "tests/unit/test_deepep_adapter.py",
+               "tests/functional/deepep_cases.py"),
         kind="torch-op",
+        notes="DeepEP's deterministic receive order without host reads: integer keys, a scatter-add with at most one "
+        "contribution per row (zeros into one spare slot) and a stable sort, exact by construction; equal to a dense "
+        "per-expert sort (CPU) and to DeepEP's own deterministic mode, CUDA-graph replays bitwise (GPU cases).",
     ),
     KernelEntry(
         name="buffer_lifecycle_and_agreement",
