@@ -317,6 +317,16 @@ def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], 
     return document
 
 
+def throughput_bars(configurations: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """Thousand tokens/s of each configuration (its median step) and the error bars spanning its runs: how far the
+    slowest run's tokens/s lies below and the fastest run's above, never below zero (with one run the two sides
+    differ only by rounding)."""
+    tokens = [g["tokens_per_s"] / 1e3 for g in configurations]
+    lows = [max(0.0, t - t * g["median_step_ms"] / max(g["median_step_ms_each"])) for t, g in zip(tokens, configurations)]
+    highs = [max(0.0, t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t) for t, g in zip(tokens, configurations)]
+    return tokens, lows, highs
+
+
 def plot(document: dict, path: str) -> None:
     """Loss per step of every run (left) and tokens/s per run (right)."""
     fig, _ = new_figure(12, 4.2)
@@ -332,11 +342,7 @@ def plot(document: dict, path: str) -> None:
     left.legend(fontsize=8)
     left.set_title("loss per step")
     groups = [(label, g) for label, g in document.get("configurations", {}).items() if g["tokens_per_s"]]
-    tokens = [g["tokens_per_s"] / 1e3 for _, g in groups]
-    # The error bars span the configuration's runs (tokens/s of the slowest and the fastest run).
-    # Clamped at 0: for a single run the two sides differ only by rounding, which may come out below 0.
-    lows = [max(0.0, t - t * g["median_step_ms"] / max(g["median_step_ms_each"])) for t, (_, g) in zip(tokens, groups)]
-    highs = [max(0.0, t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t) for t, (_, g) in zip(tokens, groups)]
+    tokens, lows, highs = throughput_bars([g for _, g in groups])
     bars = right.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
     right.bar_label(bars, fmt="%.0f", fontsize=7)
     right.set_xticks(range(len(groups)), [f"{label} (x{len(g['runs'])})" for label, g in groups], rotation=20,

@@ -149,13 +149,13 @@ def test_profile_option_needs_a_window_and_a_file(capsys) -> None:
     assert "--profile needs --profile-out" in capsys.readouterr().err
 
 
-def test_plot_of_a_single_run_whose_error_bar_rounds_below_zero(tmp_path: Path) -> None:
-    """One run of a configuration: its error bar is zero wide, also where the arithmetic rounds it below zero
-    (a recorded run's values: its upper bar computes as -7e-15)."""
+def test_throughput_bars_span_the_runs_and_never_go_below_zero() -> None:
+    """Error bars from the slowest to the fastest run; with one run zero wide, also where the arithmetic rounds below
+    zero (a recorded run's values: its upper bar computes as -7e-15, which the plot refuses)."""
     median = 65.88396649999595
-    document = {"runs": [{"run": "order-graphs", "label": "order-graphs", "loss": {"1": 10.5, "2": 10.4}}],
-                "configurations": {"order-graphs": {"tokens_per_s": 62169.90593607099, "median_step_ms": median,
-                                                    "median_step_ms_each": [median], "runs": ["order-graphs"]}}}
-    path = tmp_path / "plot.png"
-    train_gpt.plot(document, str(path))
-    assert path.stat().st_size > 0
+    single = {"tokens_per_s": 62169.90593607099, "median_step_ms": median, "median_step_ms_each": [median]}
+    pooled = {"tokens_per_s": 4096 / 0.1, "median_step_ms": 100.0, "median_step_ms_each": [80.0, 100.0, 125.0]}
+    tokens, lows, highs = train_gpt.throughput_bars([single, pooled])
+    assert tokens == pytest.approx([62.16990593607099, 40.96])
+    assert 0.0 <= lows[0] < 1e-9 and 0.0 <= highs[0] < 1e-9
+    assert lows[1] == pytest.approx(40.96 - 4096 / 125) and highs[1] == pytest.approx(4096 / 80 - 40.96)
