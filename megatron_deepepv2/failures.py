@@ -337,8 +337,8 @@ def run_collective(collective: Callable, *args, group: dist.ProcessGroup, exchan
         if failed or waiting:
             name = getattr(collective, "__name__", "a collective")
             raise peer_failure(RuntimeError(
-                f"stopped waiting for them in {name}; that communication cannot complete, so the expert-parallel "
-                "group is unusable in this process (end the run)"), group)
+                f"stopped waiting for them in {name}; the expert-parallel group is unusable in this process (end the "
+                "run)"), group)
 
 
 def _waited(work: dist.Work, timeout_s: float) -> bool:

@@ -53,14 +53,30 @@ def _install(cls: type, method: str, action: Callable[[object], None]) -> None:
     setattr(cls, method, patched)
 
 
-def _fail(where: str) -> Callable[[object], None]:
+#: Store counter of the peers that entered the stand-in's method (:func:`_time_out`).
+_IN_BACKEND = "test_failures/in_backend"
+
+
+def _fail(where: str, peers_in_backend: int = 0) -> Callable[[object], None]:
+    """The failing rank's injection; it first waits (at most 20 s) until ``peers_in_backend`` peers wait inside the
+    backend, so that each peer's own error is the stand-in's timeout and not an earlier collective of the same call
+    (the build's agreement) that it had not yet seen complete when the announcement arrived."""
     def action(group) -> None:
+        if peers_in_backend:
+            import torch.distributed as dist
+
+            store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + 20
+            while store.add(_IN_BACKEND, 0) < peers_in_backend and time.monotonic() < deadline:
+                time.sleep(0.005)
         raise RuntimeError(f"injected {where} failure")
     return action
 
 
 def _time_out(group) -> None:
     """What a peer inside DeepEP's kernel sees: nothing arrives, then a timeout (once the failing rank has spoken)."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._get_default_store().add(_IN_BACKEND, 1)
     deadline = time.monotonic() + 20
     while not (failures.announced_failures(group) or failures.pending_builds(group)) and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -93,7 +109,8 @@ def _fail_once(rank: int, world: int, where: str, bad_rank: int, peers_time_out:
     x, idx, w = _inputs(rank)
     if where != "build":
         _step(x, idx, w, config)  # the buffer exists and every op has run once on every rank
-    action = _fail(where) if rank == bad_rank else _time_out if peers_time_out else None
+    peers_in_backend = world - 1 if peers_time_out else 0  # the failing rank waits until they wait in the stand-in
+    action = _fail(where, peers_in_backend) if rank == bad_rank else _time_out if peers_time_out else None
     if action is not None and where != "dispatch_backward":
         _install(cls, METHODS[where], action)
     started = time.monotonic()
