@@ -78,11 +78,10 @@ def check_dispatch_config(config: "DispatchConfig") -> None:
     settings = config.settings
     problem = settings.deterministic and config.backend.deterministic_order_problem(settings.host_sync)
     if problem:
-        mode = "Deterministic mode" + ("" if settings.host_sync else " without host sync")
-        raise ValueError(f"{mode} is not available on the {config.backend.name} backend as installed: {problem} "
-                         "Install DeepEP 2.1.0 or V2.5, or turn off deterministic mode (MEGATRON_DEEPEPV2_DETERMINISTIC /"
-                         " Megatron's --deterministic-mode)" + ("." if settings.host_sync else
-                                                                 ", or MEGATRON_DEEPEPV2_NO_HOST_SYNC."))
+        mode, or_sync = ("", "") if settings.host_sync else (" without host sync", ", or MEGATRON_DEEPEPV2_NO_HOST_SYNC")
+        raise ValueError(f"Deterministic mode{mode} is not available on the {config.backend.name} backend as installed: "
+                         f"{problem} Install DeepEP 2.1.0 or V2.5, or turn off deterministic mode "
+                         f"(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode){or_sync}.")
 
 
 def check_binding(num_experts: int, group_size: int) -> None:
