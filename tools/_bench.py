@@ -18,8 +18,9 @@ Every benchmark here times, starts and writes the same way, so that their number
 * :func:`process_group`: torchrun's ranks, or a 1-rank group of this process, with the NCCL communicator created
   before anything reuses it and NVLink multicast left off;
 * :func:`setup_logging`: progress lines on stderr;
-* :func:`provenance`: the git commit the numbers come from (and whether the tree had uncommitted changes) and the
-  date, for the JSON document;
+* :func:`provenance`: the git commit the numbers come from (and whether the tree had uncommitted changes), where
+  that commit was read (``BENCH_GIT_REVISION``, the package's own git checkout, or unknown) and the date, for the JSON
+  document;
 * :func:`write_outputs`, with :func:`new_figure`, :func:`grouped_bars` and :func:`save_figure`: the JSON document
   and its PNG plot (matplotlib, Agg backend; without matplotlib the JSON is written and a warning says how to get
   the plot).
@@ -465,6 +466,10 @@ def setup_logging(rank: int = 0, *, all_ranks: bool = False) -> None:
 #: ``<hash>-dirty`` (uncommitted changes to tracked files), read by :func:`provenance`.
 REVISION_ENV = "BENCH_GIT_REVISION"
 
+#: What a checkout of this package holds at its root: :func:`provenance` trusts git only where git's top level is
+#: such a folder, the one the described path lies in.
+CHECKOUT_MARKERS = ("tools", "megatron_deepepv2")
+
 
 def _git(root: str, *args: str) -> Optional[str]:
     """``git <args>``'s output in ``root``, or None where git or the checkout is missing or it fails."""
@@ -477,32 +482,63 @@ def _git(root: str, *args: str) -> Optional[str]:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def checkout_root(path: Optional[str] = None) -> Optional[str]:
+    """The root of the copy of the package that holds ``path``: the nearest folder, ``path``'s own or above it, that
+    holds ``tools/`` and ``megatron_deepepv2/`` (:data:`CHECKOUT_MARKERS`).
+
+    Args:
+        path: A file or folder (default: this file, whose root is the parent of ``tools/``).
+
+    Returns:
+        The folder's real path, or None when no folder above ``path`` looks like a copy of the package.
+    """
+    here = os.path.realpath(path or __file__)
+    folder = here if os.path.isdir(here) else os.path.dirname(here)
+    while True:
+        if all(os.path.isdir(os.path.join(folder, name)) for name in CHECKOUT_MARKERS):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
 def provenance(path: Optional[str] = None) -> dict[str, Any]:
-    """What a benchmark's numbers come from: the git commit of the checkout, whether it had uncommitted changes, the
-    date.
+    """What a benchmark's numbers come from: the git commit of the package's checkout, whether it had uncommitted
+    changes, where the commit was read, and the date.
+
+    The commit is never another repository's: a copy of the package without its own ``.git`` placed inside some
+    other git repository would otherwise be stamped with that repository's commit. So git is asked only where its
+    top level (``git rev-parse --show-toplevel``) is the package's own root (:func:`checkout_root`).
 
     Args:
         path: A file or folder in the checkout (default: this file's).
 
     Returns:
-        ``git_commit`` (short hash), ``git_dirty`` (uncommitted changes to tracked files; untracked files do not
-        count) and ``date`` (UTC, ISO 8601). :data:`REVISION_ENV` (``<hash>`` or ``<hash>-dirty``), when set, is
-        the answer: a copy of the tree may have no git checkout or an older one (a remote machine's copy of the
-        working tree with the ``.git`` of an earlier commit). Unset, git says; without git both are None.
+        ``git_commit`` (short hash, or None when unknown), ``git_dirty`` (uncommitted changes to tracked files;
+        untracked files do not count; None when unknown), ``commit_source`` and ``date`` (UTC, ISO 8601).
+        ``commit_source`` says where the commit came from: ``"BENCH_GIT_REVISION"`` (:data:`REVISION_ENV`, as
+        ``<hash>`` or ``<hash>-dirty``, which wins when set: a remote machine's copy of the working tree may carry the
+        ``.git`` of an earlier commit, or none), ``"git"`` (the package's own checkout) or ``"unknown"`` (no setting,
+        and no git checkout whose top level is the package's root).
     """
+    commit: Optional[str] = None
+    dirty: Optional[bool] = None
+    source = "unknown"
     value = os.environ.get(REVISION_ENV, "").strip()
     if value:
-        commit: Optional[str] = value.removesuffix("-dirty")
-        dirty: Optional[bool] = value.endswith("-dirty")
+        commit, dirty, source = value.removesuffix("-dirty"), value.endswith("-dirty"), REVISION_ENV
     else:
-        root = path if path and os.path.isdir(path) else os.path.dirname(os.path.abspath(path or __file__))
-        commit = _git(root, "rev-parse", "--short", "HEAD")
-        dirty = None
-        if commit:
-            status = _git(root, "status", "--porcelain", "--untracked-files=no")
-            dirty = None if status is None else bool(status)
+        root = checkout_root(path)
+        toplevel = _git(root, "rev-parse", "--show-toplevel") if root else None
+        if root and toplevel and os.path.realpath(toplevel) == root:
+            commit = _git(root, "rev-parse", "--short", "HEAD")
+            if commit:
+                source = "git"
+                status = _git(root, "status", "--porcelain", "--untracked-files=no")
+                dirty = None if status is None else bool(status)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"git_commit": commit, "git_dirty": dirty, "date": date}
+    return {"git_commit": commit, "git_dirty": dirty, "commit_source": source, "date": date}
 
 
 # --------------------------------------------------------------------------------------------------- outputs
