@@ -1,6 +1,6 @@
 """Megatron-LM training runs, step by step: record a ``pretrain_gpt.py`` launch, then compare runs.
 
-Two subcommands:
+Three subcommands:
 
 * ``record``: the launch of ``python -m megatron_deepepv2.run`` (installs the plugin, runs the script as
   ``__main__``), with every training step's exact losses, gradient norm and wall-clock time appended to a JSON-lines
@@ -12,6 +12,13 @@ Two subcommands:
   Steps are taken from Megatron's ``training_log``, which runs once per iteration; values are kept both as numbers
   and as ``float.hex`` strings, so that two runs can be compared bit for bit.
 
+* ``rounds``: the variants of :data:`VARIANTS` (a dispatcher, its experts, its CUDA graphs), each recorded as above
+  from the same seed on one model of the example (``MODEL``), interleaved in rounds (A B C, then B C A, ...), so
+  that a machine whose speed drifts between processes (20-30% on host-bound steps) slows every variant alike::
+
+      python tools/train_gpt.py rounds --megatron-lm /path/to/Megatron-LM --model gpt-moe --rounds 3 --steps 20 \
+          --out runs/gpt-moe alltoall-syncfree deepepv2-syncfree alltoall-syncfree-graphs deepepv2-nohostsync-graphs
+
 * ``report``: runs against a baseline (loss gap per step, step time, tokens/s), runs that must be bitwise equal
   (two deterministic runs; a run resumed from a checkpoint against the uninterrupted one), written as
   ``<out>/<name>.json`` and a PNG (loss per step of every run; tokens/s per run)::
@@ -22,30 +29,102 @@ Two subcommands:
 A step's time is the wall clock between two consecutive ``training_log`` calls (Megatron reads the loss on the host
 every step, so each call follows the step's end); the report takes the median over the steps after ``--skip``
 (warm-up: DeepEP's JIT, CUDA-graph capture). Runs that share a label (repeats of one configuration, e.g. interleaved
-pairs) are reported one by one and together: the median of their medians and their spread.
+pairs) are reported one by one and together: the median of their medians and their spread. A target
+``RUN:BASELINE:LIMIT[:ROUND_LIMIT]`` is judged on rounds: the step-time ratio of RUN to BASELINE within each round
+(runs recorded by ``rounds`` carry their round; others pair by order), their median against LIMIT and, with
+ROUND_LIMIT, every round against it; a row is *faster* only if every round says so.
 
 ``record --profile FIRST:LAST --profile-out TRACE.json.gz`` also traces steps FIRST to LAST with ``torch.profiler``
 (host with Python stacks, and GPU), each step marked ``ProfilerStep#N`` from one ``training_log`` to the next, for
-``tools/trace_summary.py``. Profiled steps run slower: time runs without it.
+``tools/trace_summary.py``. Profiled steps run slower: the report leaves every step from FIRST on out of the step
+time, so a run can be timed and then traced (``--train-iters 22 --profile 21:22`` times steps up to 20).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools._bench import new_figure, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
 
 logger = logging.getLogger("train_gpt")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt_moe_deepepv2.sh")
+SEQUENTIAL, SYNC_FREE = "SequentialMLP", "SyncFreeSequentialMLP"
+#: Megatron's alltoall dispatcher, selected over the example's flex + deepepv2.
+ALLTOALL_ARGS = ("--moe-token-dispatcher-type", "alltoall", "--moe-flex-dispatcher-backend", "deepep")
+#: The widest per-layer CUDA-graph scope megatron-core 0.19 captures for a dropless alltoall MoE layer with
+#: ``--cuda-graph-impl local``: whole layers (no ``--cuda-graph-modules``) and ``moe`` are refused (the dispatcher
+#: copies its counts to the host and waits for them; ``moe`` needs drop-and-pad), so the router with the dispatcher's
+#: preprocessing (the local implementation captures ``moe_router`` and ``moe_preprocess`` together) and the attention
+#: are captured, and the dispatch, experts and combine run eagerly between the graphs. docs/training.md says which
+#: scopes were tried on a GPU and why the others failed.
+ALLTOALL_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One training configuration of the example, as ``rounds`` launches it.
+
+    Attributes:
+        name: The run's label.
+        experts: The expert module every MoE layer gets (:data:`SEQUENTIAL` or :data:`SYNC_FREE`).
+        description: What the variant is, in a line.
+        env: Environment variables set for the launch.
+        args: ``pretrain_gpt.py`` arguments added to the example's.
+        record_args: ``record`` options (e.g. ``--megatron-dispatch-preprocess``).
+    """
+
+    name: str
+    experts: str
+    description: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    record_args: tuple[str, ...] = ()
+
+
+_SYNC_FREE_ENV = {"MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
+_NO_HOST_SYNC_ENV = {**_SYNC_FREE_ENV, "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1"}
+
+#: The variants by name. Each pair that a comparison needs holds the experts equal.
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("alltoall", SEQUENTIAL, "Megatron's alltoall dispatcher and its SequentialMLP experts", args=ALLTOALL_ARGS),
+    Variant("deepepv2", SEQUENTIAL, "flex + deepepv2 with host sync, Megatron's SequentialMLP experts"),
+    Variant("alltoall-syncfree", SYNC_FREE, "alltoall with SyncFreeSequentialMLP experts", _SYNC_FREE_ENV,
+            ALLTOALL_ARGS),
+    Variant("deepepv2-syncfree", SYNC_FREE, "flex + deepepv2 with host sync, SyncFreeSequentialMLP experts",
+            _SYNC_FREE_ENV),
+    Variant("deepepv2-syncfree-compiled-preprocess", SYNC_FREE,
+            "deepepv2-syncfree with Megatron's torch.compile'd dispatch_preprocess instead of the package's eager one",
+            _SYNC_FREE_ENV, record_args=("--megatron-dispatch-preprocess",)),
+    Variant("alltoall-syncfree-graphs", SYNC_FREE,
+            "alltoall-syncfree with Megatron's per-layer CUDA graphs over the widest scope alltoall accepts ("
+            + " ".join(ALLTOALL_GRAPH_MODULES) + ")", _SYNC_FREE_ENV,
+            ALLTOALL_ARGS + ("--cuda-graph-impl", "local", "--cuda-graph-modules", *ALLTOALL_GRAPH_MODULES)),
+    Variant("deepepv2-nohostsync-eager", SYNC_FREE, "deepepv2 without host sync, SyncFreeSequentialMLP experts",
+            _NO_HOST_SYNC_ENV),
+    Variant("deepepv2-nohostsync-graphs", SYNC_FREE,
+            "deepepv2 without host sync, each layer captured whole in Megatron's per-layer CUDA graphs",
+            _NO_HOST_SYNC_ENV, ("--cuda-graph-impl", "local")),
+)}
+
+
+def expert_module(environment: Mapping[str, str]) -> str:
+    """The expert module of a run launched with ``environment`` (the example's MoE layers)."""
+    return SYNC_FREE if environment.get("MEGATRON_DEEPEPV2_EXPERTS") == "sync_free" else SEQUENTIAL
 
 
 # --------------------------------------------------------------------------------------------------- record
@@ -75,11 +154,13 @@ class StepRecorder:
         label: The run's name, written in the first line.
         profile: ``(FIRST, LAST)`` iterations to trace with ``torch.profiler`` on rank 0, or None.
         profile_out: Where the trace goes (``.json`` or ``.json.gz``).
+        round_number: The round of ``rounds`` the run belongs to, or None.
     """
 
     def __init__(self, path: str, label: str, profile: Optional[tuple[int, int]] = None,
-                 profile_out: Optional[str] = None) -> None:
-        self.path, self.label = path, label
+                 profile_out: Optional[str] = None, round_number: Optional[int] = None) -> None:
+        self.path, self.label, self.round_number = path, label, round_number
+        self._profile_window = list(profile) if profile else None
         self._last: Optional[float] = None
         self._file = None
         self._profile, self._profile_out = profile, profile_out
@@ -90,11 +171,11 @@ class StepRecorder:
         from megatron.training import get_args  # noqa: PLC0415
 
         args = get_args()
-        return {"label": self.label, "global_batch_size": args.global_batch_size, "seq_length": args.seq_length,
-                "tokens_per_step": args.global_batch_size * args.seq_length, "world_size": args.world_size,
-                "argv": sys.argv[1:], "environment": {k: v for k, v in os.environ.items()
-                                                        if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO"))},
-                "provenance": provenance()}
+        environment = {k: v for k, v in os.environ.items() if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO", "MODEL"))}
+        return {"label": self.label, "round": self.round_number, "global_batch_size": args.global_batch_size,
+                "seq_length": args.seq_length, "tokens_per_step": args.global_batch_size * args.seq_length,
+                "world_size": args.world_size, "experts": expert_module(environment), "profile": self._profile_window,
+                "argv": sys.argv[1:], "environment": environment, "provenance": provenance()}
 
     def wrap(self, training_log: Any) -> Any:
         """Returns ``training_log`` with the recording around it."""
@@ -157,8 +238,25 @@ class StepRecorder:
         self._file.flush()
 
 
+def use_megatrons_dispatch_preprocess() -> None:
+    """Gives deepepv2 layers Megatron's own flex ``dispatch_preprocess`` (compiled with ``torch.compile``) instead of
+    the package's eager one, to measure what running it eagerly changes. Call after ``megatron_deepepv2.install()``.
+
+    Raises:
+        RuntimeError: Where the installed dispatcher is not the package's.
+    """
+    from megatron.core.transformer.moe import moe_layer  # noqa: PLC0415
+
+    dispatcher = moe_layer.MoEFlexTokenDispatcher
+    if not getattr(dispatcher, "_deepepv2_plugin", False):
+        raise RuntimeError("--megatron-dispatch-preprocess: the flex dispatcher is not megatron_deepepv2's "
+                           "(MEGATRON_DEEPEPV2_MANAGER=native?); there is nothing to swap.")
+    dispatcher.dispatch_preprocess = dispatcher.__mro__[1].dispatch_preprocess
+
+
 def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[int, int]] = None,
-           profile_out: Optional[str] = None) -> int:
+           profile_out: Optional[str] = None, round_number: Optional[int] = None,
+           megatron_dispatch_preprocess: bool = False) -> int:
     """Runs ``python -m megatron_deepepv2.run TARGET...`` with a :class:`StepRecorder` on Megatron's training log.
 
     Args:
@@ -167,6 +265,8 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
         target: ``[SCRIPT, ARGS...]`` as for ``megatron_deepepv2.run``.
         profile: Iterations ``(FIRST, LAST)`` to trace, or None.
         profile_out: The trace file.
+        round_number: The run's round (``rounds``), written in its header.
+        megatron_dispatch_preprocess: See :func:`use_megatrons_dispatch_preprocess`.
 
     Returns:
         The runner's exit status.
@@ -175,9 +275,12 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
     from megatron_deepepv2 import run  # noqa: PLC0415
 
     megatron_deepepv2.install()  # before Megatron's training modules are imported (run.main's install is then a no-op)
+    if megatron_dispatch_preprocess:
+        use_megatrons_dispatch_preprocess()
     import megatron.training.training as training  # noqa: PLC0415
 
-    training.training_log = StepRecorder(out, label, profile, profile_out).wrap(training.training_log)
+    recorder = StepRecorder(out, label, profile, profile_out, round_number)
+    training.training_log = recorder.wrap(training.training_log)
     return run.main(list(target))
 
 
@@ -195,13 +298,26 @@ def load(path: str) -> dict:
             "header": header, "steps": steps}
 
 
+def timed_steps(run: dict, skip: int) -> list[dict]:
+    """The steps of ``run`` whose wall clock counts: after the first ``skip`` (warm-up), and before the first traced
+    iteration, if the run was traced (the profiler slows every step from there on, and its trace is written during
+    the last traced step's log)."""
+    profile = run["header"].get("profile")
+    steps = [run["steps"][i] for i in sorted(run["steps"]) if not profile or i < profile[0]]
+    return [s for s in steps[skip:] if s["seconds"] is not None]
+
+
 def summarise(run: dict, skip: int) -> dict:
-    """Step time (median after ``skip`` steps), tokens/s and the loss curve of a run."""
+    """Step time (median of :func:`timed_steps`), tokens/s and the loss curve of a run."""
     steps = [run["steps"][i] for i in sorted(run["steps"])]
-    times = [s["seconds"] for s in steps[skip:] if s["seconds"] is not None]
+    times = [s["seconds"] for s in timed_steps(run, skip)]
     step_s = statistics.median(times) if times else None
     tokens = run["header"].get("tokens_per_step")
-    return {"label": run["label"], "steps": len(steps), "first_iteration": steps[0]["iteration"] if steps else None,
+    header = run["header"]
+    return {"label": run["label"], "round": header.get("round"),
+            "experts": header.get("experts") or expert_module(header.get("environment", {})),
+            "timed_steps": len(times), "steps": len(steps),
+            "first_iteration": steps[0]["iteration"] if steps else None,
             "last_iteration": steps[-1]["iteration"] if steps else None,
             "median_step_ms": None if step_s is None else step_s * 1e3, "tokens_per_step": tokens,
             "tokens_per_s": None if not step_s or not tokens else tokens / step_s,
@@ -246,30 +362,73 @@ def configurations(summaries: Sequence[dict]) -> dict:
             continue
         median = statistics.median(each)
         tokens = runs[0]["tokens_per_step"]
-        out[label] = {"runs": [r["run"] for r in runs], "median_step_ms_each": each, "median_step_ms": median,
+        out[label] = {"runs": [r["run"] for r in runs], "experts": runs[0]["experts"],
+                      "rounds": [r["round"] for r in runs if r["median_step_ms"] is not None],
+                      "median_step_ms_each": each, "median_step_ms": median,
                       "spread_pct": (max(each) - min(each)) / median * 100,
                       "tokens_per_s": tokens / (median / 1e3) if tokens else None}
     return out
 
 
+def round_ratios(groups: dict, run: str, baseline: str) -> dict[int, float]:
+    """Step-time ratio ``run / baseline`` in each round both configurations completed: runs recorded by ``rounds``
+    pair by their round, others by order (the k-th run of each)."""
+    def by_round(group: dict) -> dict[int, float]:
+        rounds = group["rounds"]
+        keys = rounds if rounds and all(r is not None for r in rounds) else range(1, len(group["median_step_ms_each"]) + 1)
+        return dict(zip(keys, group["median_step_ms_each"]))
+
+    ours, theirs = by_round(groups[run]), by_round(groups[baseline])
+    return {k: ours[k] / theirs[k] for k in sorted(set(ours) & set(theirs))}
+
+
 def target_ratios(groups: dict, targets: Sequence[str]) -> list[dict]:
-    """``RUN:BASELINE:LIMIT`` targets: the ratio of the two configurations' median step times against ``LIMIT``, and
-    the ratio within each pair of runs (the k-th run of each: interleaved pairs), so the spread is seen."""
+    """``RUN:BASELINE:LIMIT[:ROUND_LIMIT]`` targets, judged on rounds.
+
+    Each round's step-time ratio ``RUN / BASELINE`` (:func:`round_ratios`); ``ratio`` is their median, ``met`` says
+    whether it is at most ``LIMIT`` and, with ``ROUND_LIMIT``, no round's ratio is above it; ``faster_in_every_round``
+    whether every round's ratio is below 1 (the only case a row is called faster). ``pooled_ratio`` is the ratio of
+    the two configurations' medians of run medians, for reference.
+
+    Raises:
+        ValueError: For a malformed target, or one naming a label no run has, or two configurations without a
+            common round.
+    """
     results = []
     for target in targets:
         parts = target.split(":")
-        if len(parts) != 3:
-            raise ValueError(f"target {target!r}: give RUN:BASELINE:LIMIT (labels and a ratio, e.g. deepepv2:alltoall:1.0)")
-        run, baseline, limit = parts[0], parts[1], float(parts[2])
+        if len(parts) not in (3, 4):
+            raise ValueError(f"target {target!r}: give RUN:BASELINE:LIMIT[:ROUND_LIMIT] (labels and ratios, e.g. "
+                             "deepepv2-syncfree:alltoall-syncfree:1.0:1.05)")
+        run, baseline = parts[0], parts[1]
+        limit = float(parts[2])
+        round_limit = float(parts[3]) if len(parts) == 4 else None
         missing = [label for label in (run, baseline) if label not in groups]
         if missing:
             raise ValueError(f"target {target!r}: no runs labelled {missing}; labels: {sorted(groups)}")
-        a, b = groups[run]["median_step_ms_each"], groups[baseline]["median_step_ms_each"]
-        pairs = [x / y for x, y in zip(a, b)]
-        ratio = groups[run]["median_step_ms"] / groups[baseline]["median_step_ms"]
-        results.append({"run": run, "baseline": baseline, "limit": limit, "ratio": ratio, "met": ratio <= limit,
-                        "pair_ratios": pairs, "met_in_every_pair": bool(pairs) and all(r <= limit for r in pairs)})
+        per_round = round_ratios(groups, run, baseline)
+        if not per_round:
+            raise ValueError(f"target {target!r}: {run} and {baseline} share no round")
+        values = list(per_round.values())
+        ratio = statistics.median(values)
+        results.append({"run": run, "baseline": baseline, "experts": [groups[run]["experts"], groups[baseline]["experts"]],
+                        "limit": limit, "round_limit": round_limit, "ratio": ratio,
+                        "round_ratios": {str(k): v for k, v in per_round.items()},
+                        "min_ratio": min(values), "max_ratio": max(values), "rounds": len(values),
+                        "met": ratio <= limit and (round_limit is None or max(values) <= round_limit),
+                        "faster_in_every_round": all(v < 1.0 for v in values),
+                        "pooled_ratio": groups[run]["median_step_ms"] / groups[baseline]["median_step_ms"]})
     return results
+
+
+def runs_provenance(summaries: Sequence[dict]) -> dict:
+    """Where a report's numbers come from: the commits and dates its runs recorded (not the report's own checkout)."""
+    recorded = [r["provenance"] for r in summaries if r.get("provenance")]
+    commits = sorted({p.get("git_commit") or "unknown" for p in recorded})
+    dates = sorted(p["date"] for p in recorded if p.get("date"))
+    return {"git_commit": commits[0] if len(commits) == 1 else None, "git_commits": commits,
+            "git_dirty": any(p.get("git_dirty") for p in recorded),
+            "date": dates[-1] if dates else None, "first_date": dates[0] if dates else None}
 
 
 def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], skip: int,
@@ -301,7 +460,8 @@ def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], 
         seen[run["label"]] = seen.get(run["label"], 0) + 1
         run["run"] = run["label"] if counts[run["label"]] == 1 else f"{run['label']}#{seen[run['label']]}"
     summaries = [{"run": r["run"], **summarise(r, skip)} for r in runs]
-    document: dict = {"runs": summaries, "skip": skip, "configurations": configurations(summaries)}
+    document: dict = {"provenance": runs_provenance(summaries), "runs": summaries, "skip": skip,
+                      "configurations": configurations(summaries)}
     document["targets"] = target_ratios(document["configurations"], targets)
     if baseline is not None:
         reference = next((r for r in runs if r["label"] == baseline), None)
@@ -327,6 +487,11 @@ def throughput_bars(configurations: list[dict]) -> tuple[list[float], list[float
     return tokens, lows, highs
 
 
+def bar_labels(groups: Sequence[tuple[str, dict]]) -> list[str]:
+    """A throughput bar's label: the configuration, its expert module and its number of runs."""
+    return [f"{label}\n{g.get('experts', '?')} (x{len(g['runs'])})" for label, g in groups]
+
+
 def plot(document: dict, path: str) -> None:
     """Loss per step of every run (left) and tokens/s per run (right)."""
     fig, _ = new_figure(12, 4.2)
@@ -345,11 +510,141 @@ def plot(document: dict, path: str) -> None:
     tokens, lows, highs = throughput_bars([g for _, g in groups])
     bars = right.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
     right.bar_label(bars, fmt="%.0f", fontsize=7)
-    right.set_xticks(range(len(groups)), [f"{label} (x{len(g['runs'])})" for label, g in groups], rotation=20,
-                     ha="right", fontsize=7)
+    right.set_xticks(range(len(groups)), bar_labels(groups), rotation=20, ha="right", fontsize=7)
     right.set_ylabel("thousand tokens / s")
-    right.set_title("throughput (median step; bars: runs' range)")
+    right.set_title("throughput by dispatcher and experts (median step; bars: runs' range)")
     save_figure(fig, path)
+
+
+# --------------------------------------------------------------------------------------------------- rounds
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One run of ``rounds``: a variant in a round, and where its record goes."""
+
+    variant: Variant
+    round_number: int
+    out: str
+    profile: Optional[tuple[int, int]] = None
+
+
+def schedule(variants: Sequence[str], rounds: int, out: str, profile_last: Sequence[str] = (),
+             profile_steps: int = 2, steps: int = 20) -> list[Launch]:
+    """The runs of ``rounds`` in order: every variant once per round, the order rotated by one each round (A B C,
+    B C A, C A B), so that no variant always runs first or after the same neighbour.
+
+    Args:
+        variants: Names in :data:`VARIANTS`.
+        rounds: How many rounds.
+        out: The folder of the records (``<variant>-r<round>.jsonl``).
+        profile_last: Variants whose run in the last round is also traced, for ``profile_steps`` steps after the
+            ``steps`` timed ones (the report leaves traced steps out of the step time).
+        profile_steps: Steps traced.
+        steps: Steps timed.
+
+    Raises:
+        ValueError: For an unknown variant, a traced one not run, or fewer than one round.
+    """
+    unknown = [v for v in (*variants, *profile_last) if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    if not set(profile_last) <= set(variants):
+        raise ValueError(f"traced variants {sorted(set(profile_last) - set(variants))} are not among those run")
+    if rounds < 1 or not variants:
+        raise ValueError("rounds needs at least one round and one variant")
+    launches = []
+    for r in range(1, rounds + 1):
+        shift = (r - 1) % len(variants)
+        for name in [*variants[shift:], *variants[:shift]]:
+            traced = r == rounds and name in profile_last
+            launches.append(Launch(VARIANTS[name], r, os.path.join(out, f"{name}-r{r}.jsonl"),
+                                   (steps + 1, steps + profile_steps) if traced else None))
+    return launches
+
+
+def launch_command(launch: Launch, megatron_lm: str, steps: int, extra: Sequence[str]) -> tuple[list[str], str]:
+    """The example's command line for ``launch`` and its ``RUNNER``: this tool's ``record``, which torchrun starts in
+    place of ``-m megatron_deepepv2.run`` (see the example)."""
+    runner = [os.path.abspath(__file__), "record", "--out", os.path.abspath(launch.out), "--label",
+              launch.variant.name, "--round", str(launch.round_number), *launch.variant.record_args]
+    iterations = steps
+    if launch.profile:
+        trace = os.path.abspath(launch.out.removesuffix(".jsonl") + ".trace.json.gz")
+        runner += ["--profile", f"{launch.profile[0]}:{launch.profile[1]}", "--profile-out", trace]
+        iterations = launch.profile[1]
+    command = ["bash", EXAMPLE, megatron_lm, "1", "--train-iters", str(iterations), "--lr-decay-iters", "200",
+               "--log-interval", "1", *launch.variant.args, *extra]
+    return command, " ".join([*runner, "--"])
+
+
+def alltoall_graphs(modules: Sequence[str]) -> Variant:
+    """``alltoall-syncfree-graphs`` over another ``--cuda-graph-modules`` scope than :data:`ALLTOALL_GRAPH_MODULES`
+    (for a megatron-core whose widest accepted scope differs)."""
+    base = VARIANTS["alltoall-syncfree-graphs"]
+    args = base.args[:base.args.index("--cuda-graph-modules") + 1] + tuple(modules)
+    return dataclasses.replace(base, args=args, description=base.description.split(" (")[0] + f" ({' '.join(modules)})")
+
+
+def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
+               extra: Sequence[str] = (), profile_last: Sequence[str] = (), deadline_s: Optional[float] = None,
+               run_timeout_s: float = 600.0, alltoall_graph_modules: Optional[Sequence[str]] = None) -> list[dict]:
+    """Runs :func:`schedule`'s launches one after another (one GPU: the example at EP=1), each recorded by ``record``.
+
+    A launch that fails is logged with the end of its output and the rounds go on; past ``deadline_s`` no launch
+    starts (what ran is kept; the report pairs only rounds both sides completed).
+
+    Args:
+        megatron_lm: The Megatron-LM tree (``pretrain_gpt.py``).
+        model: The example's ``MODEL``.
+        variants: Names in :data:`VARIANTS`.
+        rounds: Rounds.
+        steps: Steps per run (``--train-iters``; traced runs take more, see :func:`schedule`).
+        out: Folder of the records and logs.
+        extra: More ``pretrain_gpt.py`` arguments for every run.
+        profile_last: See :func:`schedule`.
+        deadline_s: Seconds from the start after which no launch starts, or None.
+        run_timeout_s: A launch still running after this long is stopped and counts as failed.
+        alltoall_graph_modules: The capture scope of ``alltoall-syncfree-graphs`` (:func:`alltoall_graphs`), or None
+            for :data:`ALLTOALL_GRAPH_MODULES`.
+
+    Returns:
+        One entry per launch: variant, round, record path, exit status, seconds.
+    """
+    os.makedirs(out, exist_ok=True)
+    plan = schedule(variants, rounds, out, profile_last, steps=steps)
+    if alltoall_graph_modules:
+        plan = [dataclasses.replace(launch, variant=alltoall_graphs(alltoall_graph_modules))
+                if launch.variant.name == "alltoall-syncfree-graphs" else launch for launch in plan]
+    start, results = time.monotonic(), []
+    for i, launch in enumerate(plan, start=1):
+        elapsed = time.monotonic() - start
+        if deadline_s is not None and elapsed > deadline_s:
+            logger.warning("deadline: %d of %d launches not started", len(plan) - i + 1, len(plan))
+            break
+        command, runner = launch_command(launch, megatron_lm, steps, extra)
+        env = {**os.environ, **launch.variant.env, "MODEL": model, "RUNNER": runner}
+        log = launch.out.removesuffix(".jsonl") + ".log"
+        logger.info("[%d/%d] round %d %-40s (%.0f s so far)", i, len(plan), launch.round_number, launch.variant.name,
+                    elapsed)
+        began = time.monotonic()
+        with open(log, "w") as f:
+            try:
+                status = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                        timeout=run_timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                status = -9
+        seconds = time.monotonic() - began
+        if status != 0:
+            with open(log) as f:
+                tail = f.read()[-3000:]
+            logger.error("%s round %d failed (exit %d) after %.0f s:\n%s", launch.variant.name, launch.round_number,
+                         status, seconds, tail)
+        results.append({"variant": launch.variant.name, "round": launch.round_number, "record": launch.out,
+                        "exit": status, "seconds": round(seconds, 1)})
+        with open(os.path.join(out, "rounds.json"), "w") as f:
+            json.dump({"model": model, "steps": steps, "launches": results}, f, indent=1)
+    return results
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -360,7 +655,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rec.add_argument("--label", default=None, help="the run's name (default: the file name)")
     rec.add_argument("--profile", default=None, metavar="FIRST:LAST", help="trace these iterations (torch.profiler)")
     rec.add_argument("--profile-out", default=None, help="the trace file (.json or .json.gz)")
+    rec.add_argument("--round", type=int, default=None, help="the round the run belongs to (written in its header)")
+    rec.add_argument("--megatron-dispatch-preprocess", action="store_true",
+                     help="deepepv2 layers run Megatron's compiled dispatch_preprocess instead of the package's")
     rec.add_argument("target", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    rnd = commands.add_parser("rounds", help="run variants of the example interleaved in rounds, each recorded")
+    rnd.add_argument("variants", nargs="+", choices=sorted(VARIANTS), metavar="VARIANT",
+                     help=f"variants to run: {', '.join(VARIANTS)}")
+    rnd.add_argument("--megatron-lm", required=True, help="the Megatron-LM tree (pretrain_gpt.py)")
+    rnd.add_argument("--model", default="gpt-moe", help="the example's MODEL")
+    rnd.add_argument("--rounds", type=int, default=3, help="rounds (each runs every variant once)")
+    rnd.add_argument("--steps", type=int, default=20, help="training steps per run")
+    rnd.add_argument("--out", required=True, help="folder of the records")
+    rnd.add_argument("--profile-last", nargs="*", default=[], metavar="VARIANT",
+                     help="variants whose last-round run also traces 2 steps after the timed ones")
+    rnd.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts")
+    rnd.add_argument("--run-timeout", type=float, default=600.0, help="seconds after which a run is stopped")
+    rnd.add_argument("--alltoall-graph-modules", nargs="+", default=None, metavar="MODULE",
+                     help="capture scope of alltoall-syncfree-graphs (default: " + " ".join(ALLTOALL_GRAPH_MODULES) + ")")
+    rnd.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain_gpt.py arguments")
     rep = commands.add_parser("report", help="compare recorded runs: JSON + PNG")
     rep.add_argument("runs", nargs="+", help="JSON-lines files")
     rep.add_argument("--out", required=True, help="output folder")
@@ -368,8 +681,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep.add_argument("--baseline", default=None, help="label of the run to take loss gaps against")
     rep.add_argument("--equal", action="append", default=[], help="A.jsonl:B.jsonl, bitwise equal where they overlap")
     rep.add_argument("--skip", type=int, default=10, help="warm-up steps left out of the step time")
-    rep.add_argument("--target", action="append", default=[], metavar="RUN:BASELINE:LIMIT",
-                     help="a step-time ratio to check, e.g. deepepv2:alltoall:1.0 (labels; repeats are pooled)")
+    rep.add_argument("--target", action="append", default=[], metavar="RUN:BASELINE:LIMIT[:ROUND_LIMIT]",
+                     help="a step-time ratio to check on rounds, e.g. deepepv2-syncfree:alltoall-syncfree:1.0:1.05")
     args = parser.parse_args(argv)
     if args.command == "record":
         target = args.target[1:] if args.target[:1] == ["--"] else args.target
@@ -384,8 +697,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not args.profile_out:
                 parser.error("--profile needs --profile-out TRACE.json.gz")
             profile = (int(first), int(last))
-        return record(args.out, label, target, profile, args.profile_out)
+        return record(args.out, label, target, profile, args.profile_out, args.round, args.megatron_dispatch_preprocess)
     setup_logging()
+    if args.command == "rounds":
+        if args.rounds < 1 or args.steps < 2:
+            parser.error("rounds needs --rounds >= 1 and --steps >= 2")
+        results = run_rounds(args.megatron_lm, args.model, args.variants, args.rounds, args.steps, args.out,
+                             args.extra, args.profile_last, args.deadline, args.run_timeout,
+                             args.alltoall_graph_modules)
+        return 0 if results and all(r["exit"] == 0 for r in results) else 1
     document = report(args.runs, args.baseline, args.equal, args.skip, args.target)
     for run in document["runs"]:
         logger.info("%-30s %4d steps  loss %.4f -> %.4f  %8.1f ms/step  %9.0f tokens/s", run["run"], run["steps"],
@@ -396,9 +716,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     group["median_step_ms"], ", ".join(f"{v:.1f}" for v in group["median_step_ms_each"]),
                     group["spread_pct"])
     for target in document["targets"]:
-        logger.info("target %s / %s = %.3f (limit %.2f: %s; pairs %s)", target["run"], target["baseline"],
-                    target["ratio"], target["limit"], "met" if target["met"] else "NOT met",
-                    ", ".join(f"{r:.3f}" for r in target["pair_ratios"]))
+        logger.info("target %s / %s: median of %d rounds %.3f (min %.3f, max %.3f; limit %.2f%s: %s)%s",
+                    target["run"], target["baseline"], target["rounds"], target["ratio"], target["min_ratio"],
+                    target["max_ratio"], target["limit"],
+                    "" if target["round_limit"] is None else f", every round <= {target['round_limit']:.2f}",
+                    "met" if target["met"] else "NOT met",
+                    "; faster in every round" if target["faster_in_every_round"] else "")
     for label, gap in document.get("loss_gap", {}).items():
         logger.info("loss gap %s vs %s: %s", label, document["baseline"], gap)
     for check in document["bitwise"]:

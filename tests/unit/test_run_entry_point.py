@@ -89,7 +89,7 @@ def test_example_deepseek_v3_router_model_parses_and_validates(tmp_path: Path) -
         assert "ROUTER 6 [0, 1, 1, 1, 1, 1] sigmoid True seq_aux_loss 8 4 2.5 512" in done.stdout, done.stdout[-2000:]
     done = subprocess.run(["bash", str(root / "examples" / "pretrain_gpt_moe_deepepv2.sh"), str(tree), "1"],
                           capture_output=True, text=True, timeout=60, env={**env, "MODEL": "mixtral"}, cwd=root)
-    assert done.returncode == 2 and "MODEL=mixtral: use gpt-moe or deepseek-v3-router" in done.stderr
+    assert done.returncode == 2 and "MODEL=mixtral: use gpt-moe, gpt-moe-large, qwen3-moe-router or deepseek-v3-router" in done.stderr
 
 
 GIN_SCRIPT = textwrap.dedent(
