@@ -1,0 +1,334 @@
+"""The README's "Verified" table: each capability of the package, and whether it ran on a GPU, on CPUs only, or never.
+
+:data:`CAPABILITIES` is the one place that says so. A capability that ran on a GPU names the JSON records of those
+runs in ``docs/``; the table's commit and date columns are read from what each JSON recorded when it was written
+(``tools/_bench.provenance()``'s ``git_commit`` / ``git_dirty`` / ``date``, per run or for the whole document, or the
+``commit`` / ``date`` of a record written by hand), never typed here: a JSON that recorded no commit shows "no
+recorded commit". A capability tested on CPUs only names its tests; one never run names nothing. Adding a JSON to a
+capability is one line: its path in ``jsons``.
+
+::
+
+    python tools/verified_table.py                    # the table, as markdown
+    python tools/verified_table.py --write README.md  # replaces the block between the verified-table markers
+    python tools/verified_table.py --check README.md  # exit 1, with a diff, where the README's copy differs
+
+A capability naming a JSON or a test file that does not exist is an error (exit 2), not a row without evidence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START, END = "<!-- verified-table:start -->", "<!-- verified-table:end -->"
+
+GPU, CPU, NEVER = "ran on a GPU", "CPU only", "never run"
+STATUSES = (GPU, CPU, NEVER)
+
+NO_COMMIT, NO_DATE = "no recorded commit", "no recorded date"
+#: A commit as a record writes it: a short or full hash, alone or at the start of a sentence written by hand.
+_HASH = re.compile(r"^([0-9a-f]{7,40})(?:-dirty)?\b")
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}")
+
+
+class VerifiedTableError(Exception):
+    """A capability whose evidence is missing or does not fit its status."""
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One row of the table.
+
+    Attributes:
+        name: What the package does, as a user would ask for it (markdown).
+        status: :data:`GPU`, :data:`CPU` or :data:`NEVER`.
+        jsons: For :data:`GPU`: the records of the runs, paths from the repository root (at least one).
+        tests: For :data:`CPU`: the test files or ``make`` targets that check it (at least one).
+        note: What the status does not say (markdown), or "".
+    """
+
+    name: str
+    status: str
+    jsons: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()
+    note: str = ""
+
+
+#: Every capability, in the order the README lists them. GPU rows: the JSONs of their runs; CPU rows: their tests.
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability("DeepEP 2.1.0 `ElasticBuffer` dispatch and combine in the expand layout at EP=1 (1x H200, a 1-rank NCCL "
+               "group, megatron-core 0.19.2)", GPU,
+               jsons=("docs/functional_h200_ep1.json", "docs/bench_hot_path_h200_ep1.json"),
+               note="every functional case against the reference backend and alltoall; no NVLink traffic"),
+    Capability("no host sync, and a MoE layer's forward + backward in a CUDA graph", GPU,
+               jsons=("docs/functional_h200_ep1.json", "docs/training_gpt_moe_h200_ep1.json")),
+    Capability("determinism with host sync (`--deterministic-mode`, bit-exact replays)", GPU,
+               jsons=("docs/functional_h200_ep1.json",)),
+    Capability("determinism without host sync, inside CUDA graphs", GPU,
+               jsons=("docs/deterministic_order_h200_ep1.json", "docs/training_deterministic_graphs_h200_ep1.json")),
+    Capability("FP8 dispatch with BF16 gradients", GPU,
+               jsons=("docs/functional_h200_ep1.json", "docs/fp8_sizing_h200_ep1.json",
+                      "docs/bench_fp8_h200_ep1.json")),
+    Capability("`SyncFreeSequentialMLP` experts", GPU,
+               jsons=("docs/bench_experts.json", "docs/training_gpt_moe_h200_ep1.json")),
+    Capability("Megatron-LM `pretrain_gpt.py` training at EP=1 against alltoall, and resumed from a checkpoint bit for "
+               "bit", GPU,
+               jsons=("docs/training_gpt_moe_h200_ep1.json", "docs/training_h200_ep1.json",
+                      "docs/training_resume_h200_ep1.json")),
+    Capability("the installer: DeepEP and NCCL built from source, and `--from-wheels`", GPU,
+               jsons=("docs/install_deepep_h200.json",)),
+    Capability("EP2 over NVLink (2x H200)", GPU, jsons=("docs/bench_T4096_H4096_E64_bf16.json",),
+               note="once, on code older than the bound-dispatcher redesign"),
+    Capability("megatron-core 0.17.1 and 0.18.2", CPU,
+               tests=("make test-compat", "tests/unit/test_megatron_integration.py", "tests/unit/test_no_host_sync.py",
+                      "tests/unit/test_ep_overlap.py", "tests/unit/test_run_entry_point.py", "tests/unit/test_demo.py"),
+               note="CI"),
+    Capability("Megatron-LM `dev` with its own deepepv2 (`MEGATRON_DEEPEPV2_MANAGER`)", CPU,
+               tests=("make test-native", "tests/unit/test_native_megatron.py")),
+    Capability("DeepEP V2.5 `EPBuffer`", CPU, tests=("tests/unit/test_deepep_adapter.py",),
+               note="against a stand-in written from its sources"),
+    Capability("EP4, EP8 on one node", CPU, tests=("tests/unit/test_sizing.py", "tests/unit/test_topology.py"),
+               note="buffer sizes for EP 1-64 against a model of DeepEP's arithmetic; the GPU case at node size "
+                    "has never run"),
+    Capability("several nodes (DeepEP's hybrid mode)", CPU, tests=("tests/unit/test_topology.py",),
+               note="the mode from each rank's node, over gloo ranks"),
+    Capability("Megatron's EP all-to-all overlap (combined 1F1B)", CPU, tests=("tests/unit/test_ep_overlap.py",),
+               note="needs EP > 1"),
+    Capability("NCCL GIN over RDMA", NEVER),
+    Capability("Transformer Engine experts (`TEGroupedMLP`, with or without the op fuser)", NEVER),
+    Capability("SM100 (Blackwell)", NEVER, note="built for"),
+)
+
+
+# ------------------------------------------------------------------------------------------ what a JSON records
+
+
+@dataclass
+class Recorded:
+    """The commits and dates one JSON recorded.
+
+    Attributes:
+        commits: Short hashes in the order first recorded (``-dirty`` where the tree had uncommitted changes).
+        dates: Days (``YYYY-MM-DD``) recorded.
+        annotated: A record carries words written by hand beside its commit (a ``note``, or a sentence after the
+            hash): the reader should read them in the JSON.
+        missing: Some record says its commit is unknown.
+    """
+
+    commits: list[str] = field(default_factory=list)
+    dates: list[str] = field(default_factory=list)
+    annotated: bool = False
+    missing: bool = False
+
+    def add_commit(self, value: Any, dirty: Any = None) -> None:
+        if not isinstance(value, str) or value in ("", "unknown"):
+            self.missing = True
+            return
+        match = _HASH.match(value.strip())
+        if not match:
+            self.missing = self.annotated = True
+            return
+        if match.end() < len(value.strip()):
+            self.annotated = True
+        commit = match.group(1)[:7] + ("-dirty" if dirty is True or value.strip().startswith(f"{match.group(1)}-dirty")
+                                       else "")
+        if commit not in self.commits:
+            self.commits.append(commit)
+
+    def commit_cell(self) -> str:
+        if not self.commits:
+            return NO_COMMIT
+        cell = ", ".join(self.commits) + ("\\*" if self.annotated else "")
+        return cell + (f" (some records: {NO_COMMIT})" if self.missing else "")
+
+    def date_cell(self) -> str:
+        if not self.dates:
+            return NO_DATE
+        first, last = min(self.dates), max(self.dates)
+        return first if first == last else f"{first} to {last}"
+
+
+def _dicts(value: Any) -> Iterator[dict]:
+    if isinstance(value, dict):
+        yield value
+        for item in value.values():
+            yield from _dicts(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _dicts(item)
+
+
+def recorded(document: Any) -> Recorded:
+    """What a JSON document recorded of its commits and dates, wherever it keeps them: ``provenance`` dicts
+    (``git_commit``, ``git_dirty``, ``date``; a report's ``git_commits`` and ``first_date``), per run or for the
+    whole document, and records written by hand (``commit``, ``date``).
+
+    Args:
+        document: The parsed JSON.
+
+    Returns:
+        The commits and dates found; none found leaves both empty.
+    """
+    found = Recorded()
+    for record in _dicts(document):
+        if isinstance(record.get("git_commits"), list):
+            for commit in record["git_commits"]:
+                found.add_commit(commit)
+        elif "git_commit" in record:
+            found.add_commit(record["git_commit"], record.get("git_dirty"))
+        if isinstance(record.get("commit"), str):
+            found.add_commit(record["commit"])
+        if "note" in record and any(key in record for key in ("git_commit", "git_commits", "commit")):
+            found.annotated = True
+        for key in ("date", "first_date"):
+            value = record.get(key)
+            if isinstance(value, str) and _DATE.match(value) and value[:10] not in found.dates:
+                found.dates.append(value[:10])
+    return found
+
+
+def read_json(path: str, root: str = ROOT) -> Recorded:
+    """:func:`recorded` of the JSON at ``path`` (from ``root``).
+
+    Raises:
+        VerifiedTableError: The file is missing or is not JSON.
+    """
+    full = os.path.join(root, path)
+    try:
+        with open(full) as f:
+            return recorded(json.load(f))
+    except FileNotFoundError:
+        raise VerifiedTableError(f"{path} does not exist (from {root})") from None
+    except json.JSONDecodeError as error:
+        raise VerifiedTableError(f"{path} is not JSON: {error}") from None
+
+
+# ------------------------------------------------------------------------------------------------- the table
+
+
+def _check(capability: Capability, root: str) -> None:
+    """Raises a :class:`VerifiedTableError` where ``capability``'s evidence does not fit its status or is missing."""
+    where = f"capability {capability.name!r}"
+    if capability.status not in STATUSES:
+        raise VerifiedTableError(f"{where}: status {capability.status!r} is not one of {STATUSES}")
+    if capability.status == GPU and (not capability.jsons or capability.tests):
+        raise VerifiedTableError(f"{where}: a capability that ran on a GPU names the JSONs of its runs (and no tests)")
+    if capability.status == CPU and (not capability.tests or capability.jsons):
+        raise VerifiedTableError(f"{where}: a capability tested on CPU only names its tests (and no JSONs)")
+    if capability.status == NEVER and (capability.jsons or capability.tests):
+        raise VerifiedTableError(f"{where}: a capability never run names no JSONs and no tests")
+    for path in capability.jsons + tuple(t for t in capability.tests if not t.startswith("make ")):
+        if not os.path.exists(os.path.join(root, path)):
+            raise VerifiedTableError(f"{where} names {path}, which does not exist (from {root})")
+
+
+def _link(path: str, root: str, page_dir: str) -> str:
+    return f"[{os.path.basename(path)}]({os.path.relpath(os.path.join(root, path), page_dir)})"
+
+
+def table(capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT,
+          page_dir: Optional[str] = None) -> str:
+    """The markdown table (and its legend) of ``capabilities``.
+
+    Args:
+        capabilities: The rows.
+        root: The repository root the paths start from.
+        page_dir: The folder of the page the table goes into, which its links are relative to (default: ``root``).
+
+    Returns:
+        The table, ending with a newline.
+
+    Raises:
+        VerifiedTableError: A capability's evidence is missing or does not fit its status.
+    """
+    page_dir = page_dir or root
+    lines = ["| capability | status | evidence | commit | date |", "|---|---|---|---|---|"]
+    for capability in capabilities:
+        _check(capability, root)
+        name = capability.name + (f": {capability.note}" if capability.note else "")
+        if capability.status == GPU:
+            records = [read_json(path, root) for path in capability.jsons]
+            evidence = "<br>".join(_link(path, root, page_dir) for path in capability.jsons)
+            commits = "<br>".join(r.commit_cell() for r in records)
+            dates = "<br>".join(r.date_cell() for r in records)
+            lines.append(f"| {name} | **{GPU}** | {evidence} | {commits} | {dates} |")
+        elif capability.status == CPU:
+            tests = ", ".join(f"`{test}`" for test in capability.tests)
+            lines.append(f"| {name} | {CPU} | {tests} | - | - |")
+        else:
+            lines.append(f"| {name} | {NEVER} | - | - | - |")
+    lines += ["", f"Commit and date as each JSON recorded them (\"{NO_COMMIT}\" where it recorded none; \\* marks words "
+              "written by hand beside a commit: read them in the JSON). Written by `tools/verified_table.py --write "
+              "README.md` from its list of capabilities."]
+    return "\n".join(lines) + "\n"
+
+
+def _split(text: str, path: str) -> tuple[str, str, str]:
+    """``text`` before the start marker (included), between the markers, and from the end marker on."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start or text.count(START) != 1 or text.count(END) != 1:
+        raise VerifiedTableError(f"{path} needs exactly one {START} followed by one {END}")
+    start += len(START)
+    return text[:start], text[start:end], text[end:]
+
+
+def block(page: str, capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT) -> str:
+    """What goes between the markers of ``page``: the table with links relative to ``page``'s folder."""
+    return "\n" + table(capabilities, root, os.path.dirname(os.path.abspath(page)))
+
+
+def write(page: str, capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT) -> bool:
+    """Replaces the block between the markers of ``page`` with the table; True when the page changed."""
+    with open(page) as f:
+        text = f.read()
+    before, current, after = _split(text, page)
+    new = block(page, capabilities, root)
+    if new != current:
+        with open(page, "w") as f:
+            f.write(before + new + after)
+    return new != current
+
+
+def diff(page: str, capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT) -> str:
+    """The unified diff from ``page``'s block to the table the capabilities make ("" when they agree)."""
+    with open(page) as f:
+        _, current, _ = _split(f.read(), page)
+    new = block(page, capabilities, root)
+    return "".join(difflib.unified_diff(current.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        f"{page} (verified-table block)", "tools/verified_table.py"))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", metavar="PAGE", help="replace the block between the markers of PAGE")
+    action.add_argument("--check", metavar="PAGE", help="exit 1, printing a diff, where PAGE's block differs")
+    args = parser.parse_args(argv)
+    try:
+        if args.write:
+            print(f"{args.write}: {'updated' if write(args.write) else 'already up to date'}")
+        elif args.check:
+            difference = diff(args.check)
+            if difference:
+                print(difference, end="")
+                print(f"{args.check} differs from the table: python tools/verified_table.py --write {args.check}",
+                      file=sys.stderr)
+                return 1
+        else:
+            print(table(), end="")
+    except (VerifiedTableError, OSError) as error:
+        print(f"verified_table: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
