@@ -15,9 +15,10 @@ expert module                                          no-host-sync support
 =====================================================  ==========================================================
 :class:`SyncFreeSequentialMLP` (this module)            yes: one ``torch._grouped_mm`` per projection over
                                                        the experts' stacked weights, rows past the blocks skipped
-``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``  yes (megatron-core >= 0.19 with Transformer Engine):
-and ``moe_grouped_gemm``                               the fused grouped MLP takes device counts, as Megatron's
-                                                       own NCCL-EP static-shape mode requires
+``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``  accepted, never run: by Megatron's contract (megatron-core
+and ``moe_grouped_gemm``                               >= 0.19 with Transformer Engine) its fused grouped MLP takes
+                                                       device counts, as Megatron's NCCL-EP static-shape mode
+                                                       requires; no Transformer Engine expert has run with deepepv2
 ``TEGroupedMLP`` without the op fuser, ``SequentialMLP``  no: they split with ``tokens_per_expert.tolist()``
 =====================================================  ==========================================================
 
@@ -43,9 +44,9 @@ from megatron_deepepv2 import expert_kernels, validation
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
     "megatron_deepepv2.experts.SyncFreeSequentialMLP as the experts module of the layer spec (for an unchanged "
-    "script with the local spec: MEGATRON_DEEPEPV2_EXPERTS=sync_free), or "
-    "TEGroupedMLP with --moe-grouped-gemm --use-transformer-engine-op-fuser (megatron-core >= 0.19 with "
-    "Transformer Engine). Or unset MEGATRON_DEEPEPV2_NO_HOST_SYNC."
+    "script with the local spec: MEGATRON_DEEPEPV2_EXPERTS=sync_free), or unset MEGATRON_DEEPEPV2_NO_HOST_SYNC. "
+    "TEGroupedMLP with --moe-grouped-gemm --use-transformer-engine-op-fuser (megatron-core >= 0.19 with Transformer "
+    "Engine) is accepted too, but has never run with deepepv2."
 )
 
 

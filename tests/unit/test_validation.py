@@ -438,8 +438,8 @@ def test_bad_ids_without_host_sync_raise_the_assert_message_on_every_rank() -> N
 @pytest.mark.parametrize("change,tp,phrase", [
     ({}, 2, "expert tensor parallel size 1; set --expert-tensor-parallel-size 1"),
     ({"add_bias_linear": True}, 1, "without bias; pass --disable-bias-linear"),
-    ({"fp8": "hybrid"}, 1, "for FP8/FP4 without host sync use TEGroupedMLP"),
-    ({"fp4": "nvfp4"}, 1, "for FP8/FP4 without host sync use TEGroupedMLP"),
+    ({"fp8": "hybrid"}, 1, "drop --fp8-format / --fp4-format"),
+    ({"fp4": "nvfp4"}, 1, "drop --fp8-format / --fp4-format"),
     ({"delay_wgrad_compute": True}, 1, "unset --delay-wgrad-compute"),
     ({"use_te_activation_func": True}, 1, "unset --use-te-activation-func"),
 ])
