@@ -66,13 +66,14 @@ EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt_moe_deepepv2.sh")
 SEQUENTIAL, SYNC_FREE = "SequentialMLP", "SyncFreeSequentialMLP"
 #: Megatron's alltoall dispatcher, selected over the example's flex + deepepv2.
 ALLTOALL_ARGS = ("--moe-token-dispatcher-type", "alltoall", "--moe-flex-dispatcher-backend", "deepep")
-#: The widest per-layer CUDA-graph scope megatron-core 0.19 captures for a dropless alltoall MoE layer with
-#: ``--cuda-graph-impl local``: whole layers (no ``--cuda-graph-modules``) and ``moe`` are refused (the dispatcher
-#: copies its counts to the host and waits for them; ``moe`` needs drop-and-pad), so the router with the dispatcher's
-#: preprocessing (the local implementation captures ``moe_router`` and ``moe_preprocess`` together) and the attention
-#: are captured, and the dispatch, experts and combine run eagerly between the graphs. docs/training.md says which
-#: scopes were tried on a GPU and why the others failed.
-ALLTOALL_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+#: The widest ``--cuda-graph-modules`` scope megatron-core 0.19 accepts for a dropless alltoall MoE layer of a GPT model
+#: with ``--cuda-graph-impl local``. Refused: the whole layer (no scope), and ``attn``, with which a GPT layer
+#: (``TransformerLayer``) is captured whole too: the dispatcher waits for its counts' device-to-host copy inside the
+#: capture (``_maybe_dtoh_and_synchronize``: ``cudaErrorCapturedEvent``); ``moe`` (drop-and-pad layers only) and
+#: ``mlp`` (dense layers only), by Megatron's config checks. ``moe_router`` (the local implementation adds
+#: ``moe_preprocess``) passes, but only ``MoETransformerLayer`` (hybrid models) builds graphs for it: a GPT layer
+#: builds none, so this variant runs eagerly, like ``alltoall-syncfree``. docs/training.md has the runs.
+ALLTOALL_GRAPH_MODULES = ("moe_router", "moe_preprocess")
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,15 @@ class StepRecorder:
         profile: ``(FIRST, LAST)`` iterations to trace with ``torch.profiler`` on rank 0, or None.
         profile_out: Where the trace goes (``.json`` or ``.json.gz``).
         round_number: The round of ``rounds`` the run belongs to, or None.
+        exit_after_last_step: End the process (status 0) once the last iteration (``--train-iters``) is recorded,
+            instead of waiting for Megatron's teardown (seconds per run that nothing measures).
     """
 
     def __init__(self, path: str, label: str, profile: Optional[tuple[int, int]] = None,
-                 profile_out: Optional[str] = None, round_number: Optional[int] = None) -> None:
+                 profile_out: Optional[str] = None, round_number: Optional[int] = None,
+                 exit_after_last_step: bool = False) -> None:
         self.path, self.label, self.round_number = path, label, round_number
+        self.exit_after_last_step = exit_after_last_step
         self._profile_window = list(profile) if profile else None
         self._last: Optional[float] = None
         self._file = None
@@ -189,10 +194,28 @@ class StepRecorder:
                 self._write(iteration, loss_dict, grad_norm, learning_rate, skipped_iter, now)
                 if self._profile is not None:
                     self._profile_step(int(iteration))
-            return training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                                skipped_iter, grad_norm, *args, **kwargs)
+            result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                                  skipped_iter, grad_norm, *args, **kwargs)
+            if self.exit_after_last_step and int(iteration) >= self._train_iters():
+                self.close()
+                if dist.is_initialized():
+                    dist.barrier()
+                os._exit(0)
+            return result
 
         return recorded
+
+    @staticmethod
+    def _train_iters() -> int:
+        from megatron.training import get_args  # noqa: PLC0415
+
+        return int(get_args().train_iters)
+
+    def close(self) -> None:
+        """Flushes and closes the record."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _profile_step(self, iteration: int) -> None:
         """Called at the end of each iteration: starts, marks and stops the trace of iterations FIRST to LAST."""
@@ -256,7 +279,7 @@ def use_megatrons_dispatch_preprocess() -> None:
 
 def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[int, int]] = None,
            profile_out: Optional[str] = None, round_number: Optional[int] = None,
-           megatron_dispatch_preprocess: bool = False) -> int:
+           megatron_dispatch_preprocess: bool = False, exit_after_last_step: bool = False) -> int:
     """Runs ``python -m megatron_deepepv2.run TARGET...`` with a :class:`StepRecorder` on Megatron's training log.
 
     Args:
@@ -267,6 +290,7 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
         profile_out: The trace file.
         round_number: The run's round (``rounds``), written in its header.
         megatron_dispatch_preprocess: See :func:`use_megatrons_dispatch_preprocess`.
+        exit_after_last_step: See :class:`StepRecorder`.
 
     Returns:
         The runner's exit status.
@@ -279,7 +303,7 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
         use_megatrons_dispatch_preprocess()
     import megatron.training.training as training  # noqa: PLC0415
 
-    recorder = StepRecorder(out, label, profile, profile_out, round_number)
+    recorder = StepRecorder(out, label, profile, profile_out, round_number, exit_after_last_step)
     training.training_log = recorder.wrap(training.training_log)
     return run.main(list(target))
 
@@ -567,7 +591,8 @@ def launch_command(launch: Launch, megatron_lm: str, steps: int, extra: Sequence
     """The example's command line for ``launch`` and its ``RUNNER``: this tool's ``record``, which torchrun starts in
     place of ``-m megatron_deepepv2.run`` (see the example)."""
     runner = [os.path.abspath(__file__), "record", "--out", os.path.abspath(launch.out), "--label",
-              launch.variant.name, "--round", str(launch.round_number), *launch.variant.record_args]
+              launch.variant.name, "--round", str(launch.round_number), "--exit-after-last-step",
+              *launch.variant.record_args]
     iterations = steps
     if launch.profile:
         trace = os.path.abspath(launch.out.removesuffix(".jsonl") + ".trace.json.gz")
@@ -656,6 +681,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rec.add_argument("--profile", default=None, metavar="FIRST:LAST", help="trace these iterations (torch.profiler)")
     rec.add_argument("--profile-out", default=None, help="the trace file (.json or .json.gz)")
     rec.add_argument("--round", type=int, default=None, help="the round the run belongs to (written in its header)")
+    rec.add_argument("--exit-after-last-step", action="store_true",
+                     help="end the process once the last iteration is recorded (skips Megatron's teardown)")
     rec.add_argument("--megatron-dispatch-preprocess", action="store_true",
                      help="deepepv2 layers run Megatron's compiled dispatch_preprocess instead of the package's")
     rec.add_argument("target", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
@@ -697,7 +724,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not args.profile_out:
                 parser.error("--profile needs --profile-out TRACE.json.gz")
             profile = (int(first), int(last))
-        return record(args.out, label, target, profile, args.profile_out, args.round, args.megatron_dispatch_preprocess)
+        return record(args.out, label, target, profile, args.profile_out, args.round, args.megatron_dispatch_preprocess,
+                      args.exit_after_last_step)
     setup_logging()
     if args.command == "rounds":
         if args.rounds < 1 or args.steps < 2:

@@ -256,7 +256,7 @@ def test_rounds_launch_each_model_and_variant_through_megatrons_argument_checks(
         monkeypatch.setenv(key, value)
     out = tmp_path / "runs"
     launches = [("gpt-moe-large", "alltoall-syncfree-graphs",
-                 "SHAPE 2048 4096 4 64 768 0.01 ['attn', 'moe_router', 'moe_preprocess']", "CONFIG alltoall deepep"),
+                 "SHAPE 2048 4096 4 64 768 0.01 ['moe_router', 'moe_preprocess']", "CONFIG alltoall deepep"),
                 ("qwen3-moe-router", "deepepv2-nohostsync-graphs", "SHAPE 1024 1024 4 128 384 0.001 []",
                  "CONFIG flex deepepv2 128 True False False local")]
     for model, variant, shape, config in launches:
@@ -273,3 +273,32 @@ def test_rounds_launch_each_model_and_variant_through_megatrons_argument_checks(
     assert "moe cuda graph is only supported with drop-padding MoE" in log, log[-3000:]
     written = json.loads((out / "rounds.json").read_text())
     assert written["launches"] == [failed]
+
+
+EXIT_SCRIPT = """
+import argparse, sys, torch
+sys.path.insert(0, sys.argv[2])
+from megatron.training import global_vars
+from tools import train_gpt
+global_vars._GLOBAL_ARGS = argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1, train_iters=2)
+recorded = train_gpt.StepRecorder(sys.argv[1], "x", exit_after_last_step=True).wrap(lambda *a, **k: print("LOGGED", a[3]))
+for iteration in (1, 2, 3):
+    recorded({"lm loss": torch.tensor(1.0)}, {}, 1e-4, iteration, 1.0, True, 0, 1.0, None)
+print("AFTER THE LAST STEP")
+sys.exit(3)
+"""
+
+
+def test_recorder_ends_the_process_once_the_last_step_is_recorded(tmp_path: Path) -> None:
+    """With ``exit_after_last_step`` the process ends with status 0 right after the last iteration's log (which still
+    runs), its record complete; nothing after it runs."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "run.jsonl"
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(path), str(root)], capture_output=True, text=True,
+                          timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["LOGGED", "1", "LOGGED", "2"]
+    assert [json.loads(line).get("iteration") for line in path.read_text().splitlines()] == [None, 1, 2]
