@@ -444,7 +444,9 @@ class PartialGraphs:
 
     The layer must be built with :func:`partial_graph_config` (the dispatcher then copies its counts to the host in
     ``token_dispatch``, outside the graph). Every replay writes the same memory: the input of the postprocess graph
-    is copied in, and the dispatcher's tensors it reads are the first graph's outputs.
+    is copied in, and the dispatcher's tensors it reads are the first graph's outputs. The gradient accumulators of
+    the input and the router's weight date from the capture, on its stream: PyTorch warns once that they differ from
+    the replay's stream, and orders the two streams (the backward ends synchronised with the current stream).
     """
 
     def __init__(self, layer, x: torch.Tensor, warmup_iters: int = 3) -> None:

@@ -287,8 +287,9 @@ def test_the_layer_run_in_megatrons_graph_stages_computes_its_forward_and_backwa
 def _graphs_against_layer(rank: int, world: int) -> list[float]:
     import torch
 
-    from megatron_deepepv2.testing.moe_model import layer_step
+    from megatron_deepepv2.testing.moe_model import init_expert_parallel, layer_step
 
+    init_expert_parallel()  # before Megatron's CUDA RNG tracker is seeded
     variants = {v.name: v for v in compare_dispatchers.VARIANTS}
     args = compare_dispatchers._parse([])
     model = compare_dispatchers.ModelShape(hidden=256, experts=8, topk=2, ffn=128)
