@@ -32,18 +32,19 @@ capture megatron-core (0.17 to 0.19) accepts for a dropless alltoall MoE layer w
 Capturing the whole layer (an empty ``cuda_graph_modules``) or ``moe`` fails for it: ``moe`` needs drop-and-pad
 (``moe_pad_expert_input_to_capacity``, refused by ``TransformerConfig`` otherwise), and the alltoall dispatcher of a
 dropless layer copies its token counts to the host and synchronises before its all-to-all and its expert split. The
-widest partial scope is ``moe_router`` + ``moe_preprocess`` (the local implementation sets both when either is
-named): ``MoETransformerLayer`` then captures, forward and backward, its router stage (pre-MLP layernorm, router,
-the dispatcher's ``dispatch_preprocess``; the dispatcher's tensors named in ``token_dispatcher.cudagraph_attrs`` leave
-the graph as outputs and are put back on it) and its postprocess stage (``combine_postprocess``, bias-dropout-add),
-and runs ``token_dispatch``, the experts and the combine eagerly in between, after recording an event behind the router
-graph and synchronising it (the dispatcher's host copies move to ``token_dispatch`` under that configuration). Here
-the layer is a bare ``MoELayer``, built with that configuration (Megatron's own checks run on it), and its forward is
-cut where Megatron cuts it (:class:`MoEStages`, calling the layer's ``route``, ``preprocess``, ``dispatch``,
-``routed_experts_compute``, ``combine`` and ``postprocess``): ``torch.cuda.make_graphed_callables`` captures the route
-+ preprocess stage (with the router's parameters) and the postprocess stage, forward and backward
-(:class:`PartialGraphs`); what lies outside a bare ``MoELayer`` (layernorm, bias-dropout-add) is not in them. Its layer
-baseline is ``alltoall-syncfree`` (same experts, eager).
+widest partial scope is ``moe_router`` + ``moe_preprocess`` (the local implementation sets both when either is named):
+``MoETransformerLayer`` (the MoE layer of Megatron's hybrid model specs; the ``TransformerLayer`` of its GPT specs
+captures none of a MoE layer under the local implementation) then captures, forward and backward, its router stage
+(pre-MLP layernorm, router, the dispatcher's ``dispatch_preprocess``; the dispatcher's tensors named in
+``token_dispatcher.cudagraph_attrs`` leave the graph as outputs and are put back on it) and its postprocess stage
+(``combine_postprocess``, bias-dropout-add), and runs ``token_dispatch``, the experts and the combine eagerly in
+between, after recording an event behind the router graph and synchronising it (the dispatcher's host copies move to
+``token_dispatch`` under that configuration). Here the layer is a bare ``MoELayer``, built with that configuration
+(Megatron's own checks run on it), and its forward is cut where Megatron cuts it (:class:`MoEStages`, calling the
+layer's ``route``, ``preprocess``, ``dispatch``, ``routed_experts_compute``, ``combine`` and ``postprocess``):
+``torch.cuda.make_graphed_callables`` captures the route + preprocess stage (with the router's parameters) and the
+postprocess stage, forward and backward (:class:`PartialGraphs`); what lies outside a bare ``MoELayer`` (layernorm,
+bias-dropout-add) is not in them. Its layer baseline is ``alltoall-syncfree`` (same experts, eager).
 
 On GPUs deepepv2 runs on ElasticBuffer (DeepEP v2) with ``--sms`` SMs (default: the package's default, the
 ``num_sms`` of ``megatron_deepepv2.DeepepV2Settings``, what a user gets); with ``--cpu`` (2 gloo processes, a smoke run of the
