@@ -517,10 +517,13 @@ def bar_labels(groups: Sequence[tuple[str, dict]]) -> list[str]:
 
 
 def plot(document: dict, path: str) -> None:
-    """Loss per step of every run (left) and tokens/s per run (right)."""
-    fig, _ = new_figure(12, 4.2)
+    """Loss per step of every run (left), tokens/s per configuration with its expert module (middle), and, with
+    targets, each target's step-time ratio in every round beside its limit (right)."""
+    targets = document.get("targets", [])
+    fig, _ = new_figure(18 if targets else 12, 4.8)
     fig.clf()
-    left, right = fig.subplots(1, 2)
+    axes = fig.subplots(1, 3 if targets else 2)
+    left, middle = axes[0], axes[1]
     for run in document["runs"]:
         steps = sorted(run["loss"], key=int)
         left.plot([int(s) for s in steps], [run["loss"][s] for s in steps], label=run.get("run", run["label"]),
@@ -528,15 +531,27 @@ def plot(document: dict, path: str) -> None:
     left.set_xlabel("iteration")
     left.set_ylabel("lm loss")
     left.set_yscale("log")
-    left.legend(fontsize=8)
+    left.legend(fontsize=6, ncol=2)
     left.set_title("loss per step")
     groups = [(label, g) for label, g in document.get("configurations", {}).items() if g["tokens_per_s"]]
     tokens, lows, highs = throughput_bars([g for _, g in groups])
-    bars = right.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
-    right.bar_label(bars, fmt="%.0f", fontsize=7)
-    right.set_xticks(range(len(groups)), bar_labels(groups), rotation=20, ha="right", fontsize=7)
-    right.set_ylabel("thousand tokens / s")
-    right.set_title("throughput by dispatcher and experts (median step; bars: runs' range)")
+    bars = middle.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
+    middle.bar_label(bars, fmt="%.0f", fontsize=7)
+    middle.set_xticks(range(len(groups)), bar_labels(groups), rotation=20, ha="right", fontsize=6)
+    middle.set_ylabel("thousand tokens / s")
+    middle.set_title("throughput (median step; bars: runs' range)")
+    if targets:
+        right = axes[2]
+        for i, target in enumerate(targets):
+            values = list(target["round_ratios"].values())
+            right.scatter([i] * len(values), values, s=14, color="tab:blue", zorder=3)
+            right.hlines(target["ratio"], i - 0.3, i + 0.3, color="tab:blue", linewidth=2)
+            right.hlines(target["limit"], i - 0.35, i + 0.35, color="tab:red", linestyles="dashed", linewidth=1)
+        right.axhline(1.0, color="grey", linewidth=0.8)
+        right.set_xticks(range(len(targets)), [f"{t['run']}\n/ {t['baseline']}" for t in targets], rotation=20,
+                         ha="right", fontsize=6)
+        right.set_ylabel("step time ratio")
+        right.set_title("each round's ratio (line: median; dashed: limit)")
     save_figure(fig, path)
 
 
