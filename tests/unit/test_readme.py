@@ -274,3 +274,20 @@ def test_not_yet_run_section_names_megatron_flags_that_exist() -> None:
     add_megatron_arguments(parser)
     unknown = sorted(flags - set(parser._option_string_actions))
     assert not unknown, f"the README names flags Megatron does not have: {unknown}"
+
+
+def test_readme_opens_with_what_ran_and_stays_short() -> None:
+    """What a reader sees first: at most 130 lines, the intro saying what the package ran on, then the measured
+    headline, whose figures cite a JSON in docs/ that exists and the commit that JSON recorded."""
+    import json
+    import re
+
+    text = README.read_text()
+    assert len(text.splitlines()) <= 130, len(text.splitlines())
+    intro = text.split("<!-- headline:start -->")[0]
+    assert "H200" in intro and "dd758ca" in intro and "v2.30.7-1" in intro
+    headline = text.split("<!-- headline:start -->")[1].split("<!-- headline:end -->")[0]
+    (path,) = set(re.findall(r"\]\((docs/training_[a-z0-9_]+\.json)\)", headline))
+    recorded = json.loads((ROOT / path).read_text())["provenance"]
+    assert recorded["git_commit"] and recorded["git_commit"] in headline
+    assert recorded["date"][:10] in headline
