@@ -29,6 +29,8 @@
 #
 # Extra args override the defaults below (e.g. `--train-iters 200`). Variants, by environment or arguments:
 #   Megatron's alltoall baseline:  ... --moe-token-dispatcher-type alltoall --moe-flex-dispatcher-backend deepep
+#   alltoall at its best:           and --cuda-graph-impl local --cuda-graph-modules moe_router moe_preprocess (the
+#                                   widest scope Megatron accepts for it: no graph in a GPT layer, a later host copy)
 #   FP8 dispatch:                   MEGATRON_DEEPEPV2_FP8_DISPATCH=1
 #   grouped-GEMM experts:           MEGATRON_DEEPEPV2_EXPERTS=sync_free (any dispatcher, alltoall too)
 #   no host sync + CUDA graphs:     MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 MEGATRON_DEEPEPV2_EXPERTS=sync_free ... \

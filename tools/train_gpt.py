@@ -516,6 +516,28 @@ def bar_labels(groups: Sequence[tuple[str, dict]]) -> list[str]:
     return [f"{label}\n{g.get('experts', '?')} (x{len(g['runs'])})" for label, g in groups]
 
 
+def plotted_configurations(document: dict) -> dict:
+    """The configurations a report's plot draws, each with its expert module. A document written by an older version
+    of this tool (no ``configurations``, or none naming their experts) gets them from its runs: the expert module
+    from each run's recorded environment, a configuration per label."""
+    if not document.get("configurations"):
+        summaries = []
+        for run in document["runs"]:
+            step_ms, tokens_per_s = run.get("median_step_ms"), run.get("tokens_per_s")
+            tokens = run.get("tokens_per_step") or (tokens_per_s * step_ms / 1e3 if step_ms and tokens_per_s else None)
+            summaries.append({**run, "run": run.get("run", run["label"]), "round": run.get("round"),
+                              "experts": run.get("experts") or expert_module(run.get("environment", {})),
+                              "tokens_per_step": tokens})
+        return configurations(summaries)
+    groups = {}
+    for label, group in document["configurations"].items():
+        if "experts" not in group:
+            run = next((r for r in document["runs"] if r["label"] == label), {})
+            group = {**group, "experts": run.get("experts") or expert_module(run.get("environment", {}))}
+        groups[label] = group
+    return groups
+
+
 def plot(document: dict, path: str) -> None:
     """Loss per step of every run (left), tokens/s per configuration with its expert module (middle), and, with
     targets, each target's step-time ratio in every round beside its limit (right)."""
@@ -533,7 +555,7 @@ def plot(document: dict, path: str) -> None:
     left.set_yscale("log")
     left.legend(fontsize=6, ncol=2)
     left.set_title("loss per step")
-    groups = [(label, g) for label, g in document.get("configurations", {}).items() if g["tokens_per_s"]]
+    groups = [(label, g) for label, g in plotted_configurations(document).items() if g["tokens_per_s"]]
     tokens, lows, highs = throughput_bars([g for _, g in groups])
     bars = middle.bar(range(len(groups)), tokens, yerr=[lows, highs], capsize=3)
     middle.bar_label(bars, fmt="%.0f", fontsize=7)

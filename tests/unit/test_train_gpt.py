@@ -302,3 +302,17 @@ def test_recorder_ends_the_process_once_the_last_step_is_recorded(tmp_path: Path
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["LOGGED", "1", "LOGGED", "2"]
     assert [json.loads(line).get("iteration") for line in path.read_text().splitlines()] == [None, 1, 2]
+
+
+def test_older_reports_get_their_bars_and_expert_modules_from_their_runs() -> None:
+    """A report written before configurations named their experts (or before configurations existed): the plot's
+    configurations come from the runs, the expert module from each run's recorded environment."""
+    runs = [{"label": "deepepv2", "median_step_ms": 700.0, "tokens_per_s": 4096 / 0.7, "environment": {}},
+            {"label": "deepepv2-syncfree", "median_step_ms": 100.0, "tokens_per_s": 40960.0,
+             "environment": {"MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}}]
+    groups = train_gpt.plotted_configurations({"runs": runs})
+    assert {label: g["experts"] for label, g in groups.items()} == {"deepepv2": "SequentialMLP",
+                                                                    "deepepv2-syncfree": "SyncFreeSequentialMLP"}
+    assert groups["deepepv2"]["tokens_per_s"] == pytest.approx(4096 / 0.7)
+    pooled = {"runs": runs, "configurations": {"deepepv2-syncfree": {"runs": ["x"], "tokens_per_s": 1.0}}}
+    assert train_gpt.plotted_configurations(pooled)["deepepv2-syncfree"]["experts"] == "SyncFreeSequentialMLP"
