@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.git_checkout import not_own_checkout
 from tools import _bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +71,9 @@ def test_a_copy_inside_another_repository_records_no_commit(tmp_path: Path, monk
 
 def test_this_checkout_records_its_head(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_bench.REVISION_ENV, raising=False)
-    toplevel = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True, text=True)
-    if toplevel.returncode or Path(toplevel.stdout.strip()).resolve() != ROOT:
-        pytest.skip(f"{ROOT} is not a git checkout of its own")
+    reason = not_own_checkout(ROOT)
+    if reason:
+        pytest.skip(reason)
     found = _bench.provenance()
     assert found["git_commit"] == _git(ROOT, "rev-parse", "--short", "HEAD"), found
     assert found["commit_source"] == "git" and isinstance(found["git_dirty"], bool) and found["date"].endswith("Z")

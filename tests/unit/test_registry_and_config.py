@@ -16,6 +16,7 @@ from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend, register
 from megatron_deepepv2.backends.deepep import import_deep_ep
 from megatron_deepepv2.config import OTHER_VARIABLES, REMOVED_VARIABLES, DeepepV2Settings, setting_variables
 from megatron_deepepv2.validation import check_settings
+from tests.git_checkout import not_own_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "MEGATRON_DEEPEPV2_"  # misspelt names below are built from it, so the repository names none of them
@@ -227,9 +228,10 @@ def test_the_warning_names_the_closest_setting(caplog: pytest.LogCaptureFixture,
 def test_every_variable_the_repository_names_is_read_by_something() -> None:
     """Each ``MEGATRON_DEEPEPV2_*`` name in the repository's files (code, tests, tools, docs) is a setting's variable
     or one of ``OTHER_VARIABLES``, so none of them draws the unread-variable warning."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
-    if listed.returncode != 0:
-        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    reason = not_own_checkout(ROOT)
+    if reason:
+        pytest.skip(reason)
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     names = set()
     for relative in filter(None, listed.stdout.split("\0")):
         path = ROOT / relative
