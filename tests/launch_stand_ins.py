@@ -34,8 +34,11 @@ PRETRAIN_ARGUMENTS = textwrap.dedent(
     print("ROUTER", config.num_layers, config.moe_layer_freq, config.moe_router_score_function,
           config.moe_router_enable_expert_bias, config.moe_router_load_balancing_type, config.moe_router_num_groups,
           config.moe_router_group_topk, config.moe_router_topk_scaling_factor, config.moe_shared_expert_intermediate_size)
+    # megatron-core 0.19 names the capture scope cuda_graph_modules; 0.17 and 0.18 cuda_graph_scope.
+    scope = getattr(config, "cuda_graph_modules", None) or getattr(config, "cuda_graph_scope", None) or []
+    scope = [scope] if isinstance(scope, str) else scope
     print("SHAPE", config.hidden_size, args.seq_length, args.micro_batch_size, config.num_moe_experts,
-          config.moe_ffn_hidden_size, config.moe_aux_loss_coeff, [m.name for m in config.cuda_graph_modules])
+          config.moe_ffn_hidden_size, config.moe_aux_loss_coeff, [getattr(m, "name", m) for m in scope])
     """
 )
 
