@@ -100,6 +100,14 @@ class Variant:
 _SYNC_FREE_ENV = {"MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
 _NO_HOST_SYNC_ENV = {**_SYNC_FREE_ENV, "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1"}
 
+def alltoall_graphs(modules: Sequence[str]) -> Variant:
+    """``alltoall-syncfree-graphs``: alltoall with its experts and Megatron's per-layer CUDA graphs over ``modules``
+    (:data:`ALLTOALL_GRAPH_MODULES` in :data:`VARIANTS`; another scope for a megatron-core whose widest differs)."""
+    return Variant("alltoall-syncfree-graphs", SYNC_FREE,
+                   f"alltoall-syncfree with Megatron's per-layer CUDA graphs over {' '.join(modules)}", _SYNC_FREE_ENV,
+                   ALLTOALL_ARGS + ("--cuda-graph-impl", "local", "--cuda-graph-modules", *modules))
+
+
 #: The variants by name. Each pair that a comparison needs holds the experts equal.
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("alltoall", SEQUENTIAL, "Megatron's alltoall dispatcher and its SequentialMLP experts", args=ALLTOALL_ARGS),
@@ -111,10 +119,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("deepepv2-syncfree-compiled-preprocess", SYNC_FREE,
             "deepepv2-syncfree with Megatron's torch.compile'd dispatch_preprocess instead of the package's eager one",
             _SYNC_FREE_ENV, record_args=("--megatron-dispatch-preprocess",)),
-    Variant("alltoall-syncfree-graphs", SYNC_FREE,
-            "alltoall-syncfree with Megatron's per-layer CUDA graphs over the widest scope alltoall accepts ("
-            + " ".join(ALLTOALL_GRAPH_MODULES) + ")", _SYNC_FREE_ENV,
-            ALLTOALL_ARGS + ("--cuda-graph-impl", "local", "--cuda-graph-modules", *ALLTOALL_GRAPH_MODULES)),
+    alltoall_graphs(ALLTOALL_GRAPH_MODULES),
     Variant("deepepv2-nohostsync-eager", SYNC_FREE, "deepepv2 without host sync, SyncFreeSequentialMLP experts",
             _NO_HOST_SYNC_ENV),
     Variant("deepepv2-nohostsync-graphs", SYNC_FREE,
@@ -176,7 +181,8 @@ class StepRecorder:
         from megatron.training import get_args  # noqa: PLC0415
 
         args = get_args()
-        environment = {k: v for k, v in os.environ.items() if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO", "MODEL"))}
+        environment = {k: v for k, v in os.environ.items()
+                       if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO")) or k == "MODEL"}
         return {"label": self.label, "round": self.round_number, "global_batch_size": args.global_batch_size,
                 "seq_length": args.seq_length, "tokens_per_step": args.global_batch_size * args.seq_length,
                 "world_size": args.world_size, "experts": expert_module(environment), "profile": self._profile_window,
@@ -399,7 +405,8 @@ def round_ratios(groups: dict, run: str, baseline: str) -> dict[int, float]:
     pair by their round, others by order (the k-th run of each)."""
     def by_round(group: dict) -> dict[int, float]:
         rounds = group["rounds"]
-        keys = rounds if rounds and all(r is not None for r in rounds) else range(1, len(group["median_step_ms_each"]) + 1)
+        recorded = rounds and all(r is not None for r in rounds)
+        keys = rounds if recorded else range(1, len(group["median_step_ms_each"]) + 1)
         return dict(zip(keys, group["median_step_ms_each"]))
 
     ours, theirs = by_round(groups[run]), by_round(groups[baseline])
@@ -435,7 +442,8 @@ def target_ratios(groups: dict, targets: Sequence[str]) -> list[dict]:
             raise ValueError(f"target {target!r}: {run} and {baseline} share no round")
         values = list(per_round.values())
         ratio = statistics.median(values)
-        results.append({"run": run, "baseline": baseline, "experts": [groups[run]["experts"], groups[baseline]["experts"]],
+        results.append({"run": run, "baseline": baseline,
+                        "experts": [groups[run]["experts"], groups[baseline]["experts"]],
                         "limit": limit, "round_limit": round_limit, "ratio": ratio,
                         "round_ratios": {str(k): v for k, v in per_round.items()},
                         "min_ratio": min(values), "max_ratio": max(values), "rounds": len(values),
@@ -640,14 +648,6 @@ def launch_command(launch: Launch, megatron_lm: str, steps: int, extra: Sequence
     return command, " ".join([*runner, "--"])
 
 
-def alltoall_graphs(modules: Sequence[str]) -> Variant:
-    """``alltoall-syncfree-graphs`` over another ``--cuda-graph-modules`` scope than :data:`ALLTOALL_GRAPH_MODULES`
-    (for a megatron-core whose widest accepted scope differs)."""
-    base = VARIANTS["alltoall-syncfree-graphs"]
-    args = base.args[:base.args.index("--cuda-graph-modules") + 1] + tuple(modules)
-    return dataclasses.replace(base, args=args, description=base.description.split(" (")[0] + f" ({' '.join(modules)})")
-
-
 def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
                extra: Sequence[str] = (), profile_last: Sequence[str] = (), deadline_s: Optional[float] = None,
                run_timeout_s: float = 600.0, alltoall_graph_modules: Optional[Sequence[str]] = None) -> list[dict]:
@@ -736,7 +736,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rnd.add_argument("--deadline", type=float, default=None, help="seconds after which no run starts")
     rnd.add_argument("--run-timeout", type=float, default=600.0, help="seconds after which a run is stopped")
     rnd.add_argument("--alltoall-graph-modules", nargs="+", default=None, metavar="MODULE",
-                     help="capture scope of alltoall-syncfree-graphs (default: " + " ".join(ALLTOALL_GRAPH_MODULES) + ")")
+                     help=f"capture scope of alltoall-syncfree-graphs (default: {' '.join(ALLTOALL_GRAPH_MODULES)})")
     rnd.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain_gpt.py arguments")
     rep = commands.add_parser("report", help="compare recorded runs: JSON + PNG")
     rep.add_argument("runs", nargs="+", help="JSON-lines files")
