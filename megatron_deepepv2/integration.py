@@ -30,6 +30,9 @@ place                                   change
 ``model_grads_func``                    schedules call it once per training step, after backward)
                                         then releases retired deepepv2 buffers
                                         (``buffers.release_retired_buffers``)
+``deep_ep.utils.EventOverlap``          with DeepEP 2.1 installed: the name Megatron's ``fused_a2a``
+                                        imports (2.1 moved it to ``deep_ep``), so Megatron's own
+                                        ``deepep`` backend finds 2.1's legacy ``Buffer``
 ======================================  ===========================================================
 
 ``moe_expert_rank_capacity_factor`` (megatron-core >= 0.19), which Megatron accepts for hybridep and ncclep only, is
@@ -53,7 +56,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
+import sys
 import threading
 import typing
 from dataclasses import dataclass, field
@@ -457,6 +462,48 @@ def _wrap_skip_padding(original: Callable) -> Callable:
     return skip_routed_expert_padding
 
 
+FUSED_A2A = "megatron.core.transformer.moe.fused_a2a"
+
+
+def _expose_legacy_deepep_to_megatron() -> Optional[str]:
+    """Lets megatron-core's own ``deepep`` backend import DeepEP 2.1's legacy ``Buffer``.
+
+    Megatron's ``fused_a2a`` imports ``Buffer`` from ``deep_ep`` and ``EventHandle, EventOverlap`` from
+    ``deep_ep.utils``; DeepEP 2.1 still ships the legacy ``Buffer`` (the same API) but exports ``EventOverlap`` from
+    ``deep_ep`` only, so the import fails and Megatron reports DeepEP as not installed. Naming the same class in
+    ``deep_ep.utils`` makes ``fused_a2a.HAVE_DEEP_EP`` true, so one install runs ``deepep`` (EP >= 2; Megatron refuses
+    one rank) beside ``deepepv2``. Nothing is done without DeepEP, with a DeepEP whose ``deep_ep.utils`` already has the
+    name (1.x), without the legacy ``Buffer`` (V2.5 removed it), or when ``deep_ep`` does not import (the deepep
+    backend reports why when it is used). Megatron reads the names when ``fused_a2a`` is first imported: after that,
+    a WARNING says to call :func:`install` earlier.
+
+    Returns:
+        What was done, or None when nothing was.
+    """
+    if importlib.util.find_spec("deep_ep") is None:
+        return None
+    fused_a2a = sys.modules.get(FUSED_A2A)
+    if fused_a2a is not None and getattr(fused_a2a, "HAVE_DEEP_EP", False):
+        return None
+    try:
+        import deep_ep  # noqa: PLC0415
+        import deep_ep.utils  # noqa: PLC0415
+    except Exception as error:  # noqa: BLE001 -- deep_ep raises AssertionError on an NCCL mismatch, not ImportError
+        logger.debug("deep_ep does not import (%s): megatron-core's deepep backend stays unavailable", error)
+        return None
+    event_overlap = getattr(deep_ep, "EventOverlap", None)
+    if getattr(deep_ep, "Buffer", None) is None or event_overlap is None or hasattr(deep_ep.utils, "EventOverlap"):
+        return None
+    if fused_a2a is not None:
+        logger.warning(
+            "megatron-core's %s was imported before megatron_deepepv2.install(), when DeepEP 2.1's legacy Buffer did "
+            "not import for it, so Megatron's own deepep backend stays unavailable in this process (deepepv2 is not "
+            "affected). Call install() before importing Megatron's MoE modules to have both.", FUSED_A2A)
+        return None
+    deep_ep.utils.EventOverlap = event_overlap
+    return "deep_ep.utils.EventOverlap names DeepEP 2.1's, so megatron-core's deepep backend finds its legacy Buffer"
+
+
 #: Module-level functions wrapped by install(): (modules that define or import it, name, wrapper, description).
 #: A name missing from a release (e.g. skip_routed_expert_padding before 0.18) is skipped.
 _FUNCTION_PATCHES: tuple[tuple[list[str], str, Callable[[Callable], Callable], str], ...] = (
@@ -499,6 +546,8 @@ def install() -> InstallReport:
     with _install_lock:
         if _report is not None:
             return _report
+        # Before anything imports megatron.core, which imports fused_a2a: it reads deep_ep's names once.
+        legacy_deepep = _expose_legacy_deepep_to_megatron()
         version = megatron_version()
         if version < MIN_MEGATRON:
             raise RuntimeError(
@@ -516,6 +565,8 @@ def install() -> InstallReport:
         manager = get_settings().manager
         report = InstallReport(megatron_version=str(version), native_available=supports_deepepv2_natively(),
                                manager=manager)
+        if legacy_deepep:  # a change to deep_ep, not to Megatron: made whichever manager deepepv2 layers get
+            report.patches.append(legacy_deepep)
         if manager == "native":
             if not report.native_available:
                 raise RuntimeError(
