@@ -22,7 +22,7 @@ COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_no_host_
 # A Megatron-LM source tree whose megatron-core ships its own deepepv2 (e.g. its dev branch), for make test-native.
 MEGATRON_LM ?=
 
-.PHONY: venv demo test test-compat test-native clean
+.PHONY: venv demo test test-compat test-native test-megatron clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,13 @@ test-native: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-native MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
 	MEGATRON_DEEPEPV2_NATIVE_TREE=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n $(TEST_WORKERS) -q -rs tests/unit/test_native_megatron.py
 	PYTHONPATH=$(abspath $(MEGATRON_LM)) $(PY) -m pytest -n $(TEST_WORKERS) -q $(COMPAT_TESTS)
+
+# Megatron-Core's own flex-dispatcher tests from MEGATRON_LM's tree, run against deepepv2 on each backend, with and
+# without host sync (tools/megatron_conformance.py; CONFORMANCE_ARGS: e.g. --backends reference).
+CONFORMANCE_ARGS ?=
+test-megatron: $(STAMP)
+	@test -n "$(MEGATRON_LM)" || { echo "usage: make test-megatron MEGATRON_LM=/path/to/Megatron-LM" >&2; exit 2; }
+	$(PY) tools/megatron_conformance.py --megatron-lm $(abspath $(MEGATRON_LM)) $(CONFORMANCE_ARGS)
 
 clean:
 	rm -rf .venv $(COMPAT_DIR) build *.egg-info  # never an environment given as VENV=

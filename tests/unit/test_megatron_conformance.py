@@ -1,0 +1,101 @@
+"""``make test-megatron``'s runner and plugin on a Megatron-LM-shaped tree: the flex backend list becomes ``deepepv2``
+and the ``(tp, ep)`` pairs those the world runs, the skip about Megatron's own backends goes, the package's settings
+reach the tests, and a failed case on any rank fails the run while skips are listed with their reasons."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "pytest_plugins"))
+import megatron_deepepv2_conformance as plugin  # noqa: E402
+
+from tools import megatron_conformance  # noqa: E402
+
+# The shape of Megatron's TestFlexDispatcher: a class skipped for Megatron's own backends, cases parametrized over
+# backends and (tp, ep) pairs that need 8 ranks. Each case records what it was given; one fails without host sync.
+UPSTREAM_LIKE = textwrap.dedent("""
+    import os
+    import pytest
+
+    @pytest.mark.skipif(True, reason="Deep EP and Hybrid EP are not available")
+    class TestFlexDispatcher:
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8), (8, 1), (4, 2)])
+        @pytest.mark.parametrize("moe_flex_dispatcher_backend", ["deepep", "hybridep"])
+        @pytest.mark.parametrize("permute_fusion", [False])
+        def test_forward_backward(self, tp_size, ep_size, moe_flex_dispatcher_backend, permute_fusion):
+            assert moe_flex_dispatcher_backend == "deepepv2"
+            assert os.environ["MEGATRON_DEEPEPV2_BACKEND"] == "reference"
+            assert os.environ["MEGATRON_DEEPEPV2_NO_HOST_SYNC"] == "0", "fails without host sync"
+
+        @pytest.mark.skipif(True, reason="TE 1.7.0 is required for MoE with FP8.")
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
+        def test_router_padding_for_fp8_forward_backward(self, tp_size, ep_size):
+            pass
+
+    class TestOther:
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
+        def test_untouched(self, tp_size, ep_size):
+            pass
+""")
+
+
+@pytest.fixture
+def megatron_tree(tmp_path: Path) -> Path:
+    test_file = tmp_path / megatron_conformance.TEST_FILE
+    test_file.parent.mkdir(parents=True)
+    test_file.write_text(UPSTREAM_LIKE)
+    return tmp_path
+
+
+@pytest.mark.parametrize("world, pairs", [(1, [(1, 1)]), (2, [(1, 2), (2, 1)]), (8, [(1, 8), (8, 1), (4, 2)]),
+                                          (16, [(1, 8), (8, 1), (4, 2)])])
+def test_pairs_are_upstreams_that_fit_else_the_whole_world(world: int, pairs: list) -> None:
+    assert plugin.runnable_pairs([(1, 8), (8, 1), (4, 2)], world) == pairs
+
+
+def test_collection_gives_deepepv2_and_the_pairs_of_the_world(megatron_tree: Path) -> None:
+    env = {**os.environ, "WORLD_SIZE": "1", "PYTHONPATH": os.pathsep.join([plugin.__file__.rsplit(os.sep, 1)[0],
+                                                                            os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", plugin.__name__, "-p", "no:cacheprovider",
+                           "--collect-only", "-q", megatron_conformance.TEST_FILE], cwd=megatron_tree, env=env,
+                          capture_output=True, text=True, timeout=240)
+    ids = sorted(line.split("::", 1)[1] for line in done.stdout.splitlines() if "::" in line)
+    assert ids == ["TestFlexDispatcher::test_forward_backward[False-deepepv2-1-1]",
+                   "TestFlexDispatcher::test_router_padding_for_fp8_forward_backward[1-1]",
+                   "TestOther::test_untouched[1-1]"], done.stdout + done.stderr[-2000:]
+
+
+def test_runner_fails_on_a_failed_case_and_lists_skips_with_reasons(megatron_tree: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "megatron_conformance.py"), "--megatron-lm",
+                           str(megatron_tree), "--backends", "reference", "--host-sync", "off", "--nproc", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    document = json.loads((out / "megatron_conformance.json").read_text())
+    (run,) = document["runs"].values()
+    cases = {case.split("::", 1)[1]: result for case, result in run["cases"].items()}
+    assert cases["test_forward_backward[False-deepepv2-1-1]"]["outcome"] == "failed"
+    assert "fails without host sync" in cases["test_forward_backward[False-deepepv2-1-1]"]["detail"]
+    padding = cases["test_router_padding_for_fp8_forward_backward[1-1]"]
+    assert padding == {**padding, "outcome": "skipped", "detail": "TE 1.7.0 is required for MoE with FP8."}
+    assert "reference-nohostsync: 1 failed" in document["verdict"] and "1 failed" in done.stderr
+
+
+def test_reports_fail_a_case_that_failed_on_any_rank(tmp_path: Path) -> None:
+    def report(rank: int, body: str) -> str:
+        path = tmp_path / f"rank{rank}.xml"
+        path.write_text(f'<testsuites><testsuite><testcase classname="t.TestFlexDispatcher" name="a" time="1">{body}'
+                        '</testcase></testsuite></testsuites>')
+        return str(path)
+
+    cases = megatron_conformance.read_reports([report(0, ""), report(1, '<failure message="boom"/>')])
+    assert cases == {"TestFlexDispatcher::a": {"outcome": "failed", "detail": "rank 1: boom", "seconds": 1.0}}
+    assert megatron_conformance.verdict({"x": {"cases": {}, "exit": 0, "log": "x.log"}}).startswith("x: exit 0 with 0")
