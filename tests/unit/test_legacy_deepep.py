@@ -1,6 +1,7 @@
 """Megatron's own ``deepep`` backend next to DeepEP 2.1: ``install()`` lets Megatron's ``fused_a2a`` import 2.1's
 legacy ``Buffer`` (``HAVE_DEEP_EP`` becomes true) and changes nothing else; too late (``fused_a2a`` imported first) it
-says so and changes nothing. A stand-in ``deep_ep`` package with 2.1's layout of names runs in fresh interpreters."""
+says so and changes nothing. A stand-in ``deep_ep`` package has 2.1's layout of names (fresh interpreters where the
+import order matters, this process otherwise)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -37,9 +39,7 @@ PROBE = textwrap.dedent("""
     import json, sys
     import megatron_deepepv2
     order = sys.argv[1]
-    if order == "import-first":
-        import megatron.core.transformer.moe.fused_a2a
-    report = megatron_deepepv2.install() if order != "no-install" else None
+    report = megatron_deepepv2.install() if order == "install-first" else None
     from megatron.core.transformer.moe import fused_a2a, token_dispatcher
     import deep_ep.utils
     def names(module):  # each name's type and what it is: a plain value itself, else its qualified name
@@ -91,14 +91,35 @@ def test_install_lets_megatrons_deepep_import_deepep_21_and_changes_nothing_else
     assert changed_td <= {"fused_dispatch", "fused_combine", "set_deepep_num_sms"}, changed_td
 
 
-def test_after_megatron_imported_fused_a2a_install_warns_and_changes_nothing(deep_ep_21: Path) -> None:
-    after, stderr = _probe(deep_ep_21, "import-first")
-    assert after["have"] is False and "EventOverlap" not in after["utils"]
-    assert "Call install() before importing Megatron's MoE modules" in stderr, stderr[-2000:]
-    assert not any("legacy Buffer" in patch for patch in after["patches"])
+def _stand_in_modules(monkeypatch: pytest.MonkeyPatch, site: Path) -> types.ModuleType:
+    """Imports the stand-in ``deep_ep`` from ``site`` into this process for the test's duration; returns it."""
+    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(site))
+    import deep_ep.utils  # noqa: PLC0415
+
+    for name in ("deep_ep", "deep_ep.utils", "deep_ep.utils.event"):
+        monkeypatch.setitem(sys.modules, name, sys.modules[name])  # removed again at teardown
+    return sys.modules["deep_ep"]
 
 
-def test_a_deepep_without_the_legacy_buffer_is_left_alone(tmp_path: Path) -> None:
-    after, _ = _probe(_write(tmp_path, DEEP_EP_25), "install-first")
-    assert after["have"] is False and "EventOverlap" not in after["utils"] and not any(
-        "legacy Buffer" in patch for patch in after["patches"])
+def test_after_megatron_imported_fused_a2a_it_warns_and_changes_nothing(
+        deep_ep_21: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from megatron.core.transformer.moe import fused_a2a  # noqa: PLC0415
+
+    from megatron_deepepv2 import integration  # noqa: PLC0415
+
+    assert fused_a2a.HAVE_DEEP_EP is False  # no DeepEP in the test environment
+    deep_ep = _stand_in_modules(monkeypatch, deep_ep_21)
+    assert integration._expose_legacy_deepep_to_megatron() is None
+    assert not hasattr(deep_ep.utils, "EventOverlap") and fused_a2a.HAVE_DEEP_EP is False
+    assert "Call install() before importing Megatron's MoE modules" in caplog.text
+
+
+def test_a_deepep_without_the_legacy_buffer_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_deepepv2 import integration  # noqa: PLC0415
+
+    deep_ep = _stand_in_modules(monkeypatch, _write(tmp_path, DEEP_EP_25))
+    monkeypatch.delitem(sys.modules, integration.FUSED_A2A, raising=False)  # as before Megatron is imported
+    assert integration._expose_legacy_deepep_to_megatron() is None
+    assert not hasattr(deep_ep.utils, "EventOverlap")

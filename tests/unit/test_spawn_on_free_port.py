@@ -9,6 +9,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from megatron_deepepv2.testing import spawn
+from tests.distributed import _cpu_context
 from tests.unit.spawn_worker import rendezvous as _rendezvous
 
 
@@ -20,11 +21,14 @@ def test_a_taken_port_is_retried_and_other_failures_raise(monkeypatch: pytest.Mo
     chosen = []
     original = spawn.free_port
     monkeypatch.setattr(spawn, "free_port", lambda: chosen.append(ports.pop() if ports else original()) or chosen[-1])
+    # The ranks fork from the suite's CPU forkserver (already running in most workers): what is tested is the retry,
+    # the same for every start method, not interpreter start-up.
+    _cpu_context()
     try:
-        spawn.spawn_on_free_port(_rendezvous, (False,), 2)
+        spawn.spawn_on_free_port(_rendezvous, (False,), 2, start_method="forkserver")
         assert len(chosen) == 2 and chosen[0] == taken.getsockname()[1]  # retried once, on another port
         with pytest.raises(mp.ProcessRaisedException, match="a failure of the worker itself"):
-            spawn.spawn_on_free_port(_rendezvous, (True,), 2)
+            spawn.spawn_on_free_port(_rendezvous, (True,), 2, start_method="forkserver")
         assert len(chosen) == 3  # not retried
     finally:
         taken.close()
