@@ -247,12 +247,13 @@ def nccl_source_version(path: str) -> Version:
 
 
 def _tree_fingerprint(path: str) -> str:
-    """Changes when any source file of a tree changes (relative paths and contents; build outputs excluded), and only
-    then: the same tree copied elsewhere or to another machine has the same fingerprint."""
+    """Changes when any source file of a tree changes (relative paths and contents; build outputs and git's metadata
+    excluded), and only then: the same tree copied elsewhere or to another machine, cloned with its submodules (whose
+    ``.git`` is a file) or unpacked from archives, has the same fingerprint."""
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d not in {"build", "dist", ".git", "__pycache__"} and not d.endswith(".egg-info"))
-        for name in sorted(files):
+        for name in sorted(f for f in files if f != ".git"):
             file_path = os.path.join(root, name)
             digest.update(os.path.relpath(file_path, path).encode() + b"\0")
             if not os.path.islink(file_path):

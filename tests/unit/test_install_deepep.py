@@ -601,14 +601,20 @@ def test_the_nccl_wheel_installs_with_pip_and_its_pth_puts_the_library_first(tmp
 
 
 def test_a_source_install_after_the_wheels_finds_nothing_to_build(tmp_path) -> None:
-    """Wheels installed on a bare machine; then the README's command builds from the same tree (another copy of it):
-    PyTorch already loads the wheel's NCCL, and deep_ep is that tree's build, so nothing is built."""
+    """Wheels installed on a bare machine; then the README's command builds from the same tree (another copy of it,
+    cloned with its submodule): PyTorch already loads the wheel's NCCL, and deep_ep is that tree's build, so nothing is
+    built."""
     wheels = str(tmp_path / "wheels")
     _, opts = build_with_wheels(tmp_path, wheels)
     target = another_machine(tmp_path, "target")
     work = str(tmp_path / "target-work")
     assert Installer(InstallOptions(from_wheels=wheels, work_dir=work), target.system()).run() == 0
     copy = shutil.copytree(opts.deepep_src, tmp_path / "copy" / "DeepEP")
+    # as `git clone --recursive` leaves it: git's folder at the top, a submodule's .git file
+    (copy / ".git").mkdir()
+    (copy / ".git" / "HEAD").write_text("dd758ca\n")
+    (copy / "third-party" / "fmt").mkdir(parents=True, exist_ok=True)
+    (copy / "third-party" / "fmt" / ".git").write_text("gitdir: ../../.git/modules/third-party/fmt\n")
     before = len(target.commands)
     assert Installer(InstallOptions(deepep_src=str(copy), nccl_src=opts.nccl_src, work_dir=work),
                      target.system()).run() == 0
