@@ -25,7 +25,7 @@ LONG_TESTS = {
     "tests/unit/test_run_entry_point.py::test_without_the_plugin_megatron_rejects_deepepv2": 11,
     "tests/unit/test_demo.py::": 10,
     "tests/unit/test_spawn_on_free_port.py::": 4,
-    "tests/unit/test_legacy_deepep.py::test_install_lets_megatrons_deepep_import_deepep_21": 9,
+    "tests/unit/test_legacy_deepep.py::test_install_exposes_the_legacy_buffer": 5,
     "tests/unit/test_megatron_conformance.py::test_runner_fails_on_a_failed_case": 9,
     "tests/unit/test_readme.py::test_python_blocks_run": 8,
     "tests/unit/test_run_entry_point.py::test_example_launch_parses_and_validates": 8,

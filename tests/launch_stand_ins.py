@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests import preloaded_python
+
 TORCHRUN = textwrap.dedent(
     """\
     #!/usr/bin/env bash
@@ -52,7 +54,7 @@ def stand_in_launch(folder: Path, env: dict[str, str]) -> tuple[Path, dict[str, 
 
     Returns:
         The Megatron-LM tree holding the stand-in ``pretrain_gpt.py``, and ``env`` with the stand-in ``torchrun``
-        first on ``PATH`` and the interpreter it runs.
+        first on ``PATH`` and the interpreter it runs (:mod:`tests.preloaded_python`'s).
     """
     bin_dir, tree = folder / "bin", folder / "Megatron-LM"
     bin_dir.mkdir()
@@ -60,5 +62,5 @@ def stand_in_launch(folder: Path, env: dict[str, str]) -> tuple[Path, dict[str, 
     (bin_dir / "torchrun").write_text(TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
     (tree / "pretrain_gpt.py").write_text(PRETRAIN_ARGUMENTS)
-    return tree, {**env, "PYTHON": sys.executable, "MASTER_PORT": "29999",
+    return tree, {**env, "PYTHON": preloaded_python.python(), "MASTER_PORT": "29999",
                   "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}

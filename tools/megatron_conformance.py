@@ -96,7 +96,8 @@ def read_reports(paths: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def run_configuration(config: Configuration, megatron_lm: str, nproc: int, out: str, timeout: float) -> dict[str, Any]:
-    """Runs Megatron's flex-dispatcher tests under ``torchrun`` with ``config``.
+    """Runs Megatron's flex-dispatcher tests under ``torchrun`` (one rank: in one process with its variables) with
+    ``config``.
 
     Args:
         config: Backend and host-sync setting.
@@ -114,8 +115,14 @@ def run_configuration(config: Configuration, megatron_lm: str, nproc: int, out: 
         os.remove(os.path.join(reports, stale))
     env = {**os.environ, **config.environment(),
            "PYTHONPATH": os.pathsep.join(filter(None, [megatron_lm, PLUGIN_DIR, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_free_port()), "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-q", "-rs",
+    if nproc == 1:  # torchrun's variables for one rank, without its launcher process
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()))
+        launcher = [sys.executable]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                    str(_free_port())]
+    command = [*launcher, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-q", "-rs",
                f"--junitxml={os.path.join(reports, 'rank{rank}.xml')}", f"{TEST_FILE}::{TEST_CLASS}"]
     log_path = os.path.join(out, f"{config.name}.log")
     started = time.monotonic()
@@ -149,7 +156,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM tree with tests/ and megatron/")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--host-sync", nargs="+", choices=HOST_SYNC, default=list(HOST_SYNC))
-    parser.add_argument("--nproc", type=int, help="ranks (default: one per visible GPU, at least 1)")
+    parser.add_argument("--nproc", type=int, help="ranks (default: one per visible GPU, at least 1; the JSON's gpus is "
+                        "then null)")
     parser.add_argument("--out", default="runs/megatron-conformance", help="reports, logs and the JSON")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     args = parser.parse_args(argv)
@@ -158,8 +166,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not os.path.isfile(os.path.join(megatron_lm, TEST_FILE)):
         parser.error(f"{megatron_lm} has no {TEST_FILE}: point --megatron-lm at a Megatron-LM checkout (its tests/ "
                      "and megatron/)")
-    gpus = visible_gpus()
+    gpus = None if args.nproc else visible_gpus()
     nproc = args.nproc or max(gpus, 1)
+    from megatron_deepepv2.doctor import disable_gin_without_rdma  # noqa: PLC0415
+
+    disable_gin_without_rdma()  # as `python -m megatron_deepepv2.run` does: the ranks inherit it
     configs = [Configuration(backend, sync == "on") for backend in args.backends for sync in args.host_sync]
     runs: dict[str, dict[str, Any]] = {}
     for config in configs:

@@ -6,16 +6,16 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+from tests import preloaded_python
 from tools.compare_dispatchers import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_fp8_smoke_run(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_fp8.py"), "--cpu", "--models", "qwen3-30b-a3b",
+    done = subprocess.run([preloaded_python.python(), str(ROOT / "tools" / "bench_fp8.py"), "--cpu", "--models", "qwen3-30b-a3b",
                            "mixtral-8x7b", "--tokens", "16", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import preloaded_python
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_host_overhead.py"
 VARIANTS = {"ops_resolved_per_call", "ops_config", "ops_config_no_id_check", "ops_megatron_config", "backend_floor",
             "autograd_floor"}
@@ -29,7 +31,7 @@ def _tool_module():
 def test_compare_measures_each_tree_in_its_own_processes(tmp_path: Path) -> None:
     # One process per tree (each costs seconds, nearly all of it importing torch): how several processes of a tree
     # are summarised is the next test's.
-    subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path), "--compare", "first=.", "second=.",
+    subprocess.run([preloaded_python.python(), str(TOOL), "--out", str(tmp_path), "--compare", "first=.", "second=.",
                     "--processes", "1", "--iters", "2", "--warmup", "1", "--no-plot"], check=True, timeout=300,
                    capture_output=True)
     rows = json.loads((tmp_path / "bench_host_overhead.json").read_text())
@@ -55,7 +57,7 @@ def test_package_free_variants_are_built_without_importing_the_package() -> None
             "steps = tool.build_variants({'bare_tensor_ops', 'autograd_floor'}); "
             "[step() for step in steps.values()]; "
             "print(sorted(steps), 'megatron_deepepv2' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run([preloaded_python.python(), "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split("\n")[-2] == "['autograd_floor', 'bare_tensor_ops'] False", done.stdout
 
 

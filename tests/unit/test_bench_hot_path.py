@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests import preloaded_python
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -24,7 +26,7 @@ from tools import _bench  # noqa: E402
 
 
 def test_without_a_gpu_it_says_what_it_needs(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_hot_path.py"), "--out", str(tmp_path)],
+    done = subprocess.run([preloaded_python.python(), str(ROOT / "tools" / "bench_hot_path.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2 and "needs a CUDA GPU with DeepEP" in done.stderr, done.stderr[-2000:]
     assert not list(tmp_path.iterdir())

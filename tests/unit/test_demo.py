@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 
 import pytest
+
+from tests import preloaded_python
 
 
 def test_demo_compares_fp8_with_bf16_dispatch() -> None:
     """``--fp8-dispatch``: the deepepv2 layer trained with BF16 (the demo's own run, which must match alltoall's loss
     trajectory) and with FP8 dispatch; the curves stay within the tolerance and the received rows' quantisation error
     is reported. (``make demo`` as written runs in test_readme.)"""
-    done = subprocess.run([sys.executable, "-m", "megatron_deepepv2.demo", "--steps", "4", "--cpu", "--fp8-dispatch"],
+    done = subprocess.run([preloaded_python.python(), "-m", "megatron_deepepv2.demo", "--steps", "4", "--cpu", "--fp8-dispatch"],
                           capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]

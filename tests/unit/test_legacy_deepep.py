@@ -5,6 +5,7 @@ import order matters, this process otherwise)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import types
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -35,21 +37,13 @@ DEEP_EP_25 = {**DEEP_EP_21, "deep_ep/__init__.py": """
         from deep_ep.utils.event import EventHandle, EventOverlap
     """}
 
+# install() first, as `python -m megatron_deepepv2.run` does: Megatron's modules are imported after it.
 PROBE = textwrap.dedent("""
-    import json, sys
-    import megatron_deepepv2
-    order = sys.argv[1]
-    report = megatron_deepepv2.install() if order == "install-first" else None
+    import json, megatron_deepepv2
+    report = megatron_deepepv2.install()
     from megatron.core.transformer.moe import fused_a2a, token_dispatcher
-    import deep_ep.utils
-    def names(module):  # each name's type and what it is: a plain value itself, else its qualified name
-        return {k: (type(v).__name__, v if isinstance(v, (bool, int, float, str, type(None)))
-                    else getattr(v, "__qualname__", None)) for k, v in vars(module).items() if not k.startswith("__")}
-    print(json.dumps({"have": fused_a2a.HAVE_DEEP_EP, "dispatch": fused_a2a.fused_dispatch is not None,
-                      "fused_a2a": names(fused_a2a), "token_dispatcher": names(token_dispatcher),
-                      "utils": sorted(k for k in vars(deep_ep.utils) if not k.startswith("__")),
-                      "same_class": getattr(deep_ep.utils, "EventOverlap", None) is getattr(deep_ep, "EventOverlap"),
-                      "patches": report.patches if report else []}))
+    print(json.dumps({"have": fused_a2a.HAVE_DEEP_EP, "dispatch": token_dispatcher.fused_dispatch is not None,
+                      "patches": report.patches}))
 """)
 
 
@@ -61,65 +55,94 @@ def _write(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def _probe(site: Path, order: str) -> tuple[dict, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", PROBE, order], capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1]), done.stderr
-
-
 @pytest.fixture(scope="module")
 def deep_ep_21(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write(tmp_path_factory.mktemp("deep_ep_21"), DEEP_EP_21)
 
 
-def test_install_lets_megatrons_deepep_import_deepep_21_and_changes_nothing_else(deep_ep_21: Path) -> None:
-    before, _ = _probe(deep_ep_21, "no-install")
-    after, _ = _probe(deep_ep_21, "install-first")
-    assert (before["have"], before["dispatch"]) == (False, False)
-    assert (after["have"], after["dispatch"]) == (True, True)
-    assert any("legacy Buffer" in patch for patch in after["patches"]), after["patches"]
+def test_install_exposes_the_legacy_buffer_before_megatron_is_imported(deep_ep_21: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(deep_ep_21), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert (found["have"], found["dispatch"]) == (True, True), found
+    assert any("legacy Buffer" in patch for patch in found["patches"]), found["patches"]
+
+
+def _fresh_fused_a2a() -> types.ModuleType:
+    """Megatron's ``fused_a2a`` executed anew (a module object of its own), as a first import would."""
+    from megatron.core.transformer.moe import fused_a2a  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("fresh_fused_a2a", fused_a2a.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _names(module: types.ModuleType) -> dict[str, tuple]:
+    """Each name's type and what it is: a plain value itself, else its qualified name."""
+    return {name: (type(value).__name__, value if isinstance(value, (bool, int, float, str, type(None)))
+                   else getattr(value, "__qualname__", None))
+            for name, value in vars(module).items() if not name.startswith("__")}
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], types.ModuleType]]:
+    """Imports a stand-in ``deep_ep`` from a folder into this process; at teardown the stand-in is gone and a
+    ``deep_ep`` imported before (a GPU machine's) is back."""
+    def is_deep_ep(name: str) -> bool:
+        return name == "deep_ep" or name.startswith("deep_ep.")
+
+    def load(site: Path) -> types.ModuleType:
+        for name in [name for name in sys.modules if is_deep_ep(name)]:
+            monkeypatch.delitem(sys.modules, name)  # restored at teardown
+        monkeypatch.syspath_prepend(str(site))
+        import deep_ep.utils  # noqa: PLC0415
+
+        return sys.modules["deep_ep"]
+
+    yield load
+    for name in [name for name in sys.modules if is_deep_ep(name)]:
+        del sys.modules[name]
+
+
+def test_megatrons_import_of_deepep_21_succeeds_once_exposed_and_nothing_else_changes(
+        deep_ep_21: Path, stand_in, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_deepepv2 import integration  # noqa: PLC0415
+
+    deep_ep = stand_in(deep_ep_21)
+    before, utils_before = _names(_fresh_fused_a2a()), set(vars(deep_ep.utils))
+    monkeypatch.delitem(sys.modules, integration.FUSED_A2A)  # as before anything imported Megatron
+    assert "legacy Buffer" in integration._expose_legacy_deepep_to_megatron()
+    after = _names(_fresh_fused_a2a())
+    assert (before["HAVE_DEEP_EP"], after["HAVE_DEEP_EP"]) == (("bool", False), ("bool", True))
     # deep_ep.utils gained one name, the class deep_ep already had.
-    assert set(after["utils"]) - set(before["utils"]) == {"EventOverlap"} and after["same_class"]
-    # In Megatron's modules only what HAVE_DEEP_EP guards changed: the flag, the name whose import failed (Buffer and
-    # EventHandle were bound before it), the functions that were None. token_dispatcher's own names are those it had (install rebinds moe_layer's dispatcher, not these).
-    changed = {name for name in set(before["fused_a2a"]) | set(after["fused_a2a"])
-               if before["fused_a2a"].get(name) != after["fused_a2a"].get(name)}
+    assert set(vars(deep_ep.utils)) - utils_before == {"EventOverlap"}
+    assert deep_ep.utils.EventOverlap is deep_ep.EventOverlap
+    # Only what HAVE_DEEP_EP guards changed: the flag, the name whose import failed (Buffer and EventHandle were bound
+    # before it), and the functions that were None.
+    changed = {name for name in set(before) | set(after) if before.get(name) != after.get(name)}
     assert changed == {"HAVE_DEEP_EP", "EventOverlap", "fused_dispatch", "fused_combine", "set_deepep_num_sms"}, changed
-    changed_td = {name for name in set(before["token_dispatcher"]) | set(after["token_dispatcher"])
-                  if before["token_dispatcher"].get(name) != after["token_dispatcher"].get(name)}
-    assert changed_td <= {"fused_dispatch", "fused_combine", "set_deepep_num_sms"}, changed_td
-
-
-def _stand_in_modules(monkeypatch: pytest.MonkeyPatch, site: Path) -> types.ModuleType:
-    """Imports the stand-in ``deep_ep`` from ``site`` into this process for the test's duration; returns it."""
-    for name in [name for name in sys.modules if name == "deep_ep" or name.startswith("deep_ep.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(site))
-    import deep_ep.utils  # noqa: PLC0415
-
-    for name in ("deep_ep", "deep_ep.utils", "deep_ep.utils.event"):
-        monkeypatch.setitem(sys.modules, name, sys.modules[name])  # removed again at teardown
-    return sys.modules["deep_ep"]
 
 
 def test_after_megatron_imported_fused_a2a_it_warns_and_changes_nothing(
-        deep_ep_21: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        deep_ep_21: Path, stand_in, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from megatron.core.transformer.moe import fused_a2a  # noqa: PLC0415
 
     from megatron_deepepv2 import integration  # noqa: PLC0415
 
-    assert fused_a2a.HAVE_DEEP_EP is False  # no DeepEP in the test environment
-    deep_ep = _stand_in_modules(monkeypatch, deep_ep_21)
+    monkeypatch.setattr(fused_a2a, "HAVE_DEEP_EP", False)  # imported when DeepEP 2.1's names did not import for it
+    deep_ep = stand_in(deep_ep_21)
     assert integration._expose_legacy_deepep_to_megatron() is None
     assert not hasattr(deep_ep.utils, "EventOverlap") and fused_a2a.HAVE_DEEP_EP is False
     assert "Call install() before importing Megatron's MoE modules" in caplog.text
 
 
-def test_a_deepep_without_the_legacy_buffer_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_deepep_without_the_legacy_buffer_is_left_alone(tmp_path: Path, stand_in,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_deepepv2 import integration  # noqa: PLC0415
 
-    deep_ep = _stand_in_modules(monkeypatch, _write(tmp_path, DEEP_EP_25))
+    deep_ep = stand_in(_write(tmp_path, DEEP_EP_25))
     monkeypatch.delitem(sys.modules, integration.FUSED_A2A, raising=False)  # as before Megatron is imported
     assert integration._expose_legacy_deepep_to_megatron() is None
     assert not hasattr(deep_ep.utils, "EventOverlap")

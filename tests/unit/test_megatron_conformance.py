@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import preloaded_python
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "pytest_plugins"))
 import megatron_deepepv2_conformance as plugin  # noqa: E402
@@ -59,7 +61,7 @@ def test_runner_fails_on_a_failed_case_and_lists_skips_with_reasons(megatron_tre
     """One rank: the flex class's cases get deepepv2 and (1, 1), and its class skip is gone; the configuration's
     settings reach the tests; a failure fails the run, the skip is listed with its reason."""
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "megatron_conformance.py"), "--megatron-lm",
+    done = subprocess.run([preloaded_python.python(), str(ROOT / "tools" / "megatron_conformance.py"), "--megatron-lm",
                            str(megatron_tree), "--backends", "reference", "--host-sync", "off", "--nproc", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]

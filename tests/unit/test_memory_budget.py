@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+
+from tests import preloaded_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_memory_budget_writes_the_deepseek_v3_table(tmp_path) -> None:
-    done = subprocess.run([sys.executable, "tools/memory_budget.py", "--ep", "8", "--out", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([preloaded_python.python(), "tools/memory_budget.py", "--ep", "8", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     document = json.loads((tmp_path / "memory_deepseek_v3.json").read_text())

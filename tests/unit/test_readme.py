@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import pytest
 
+from tests import preloaded_python
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 KINDS = ("pip", "doctor", "python", "make", "ci", "gpu")
@@ -72,9 +74,9 @@ def _of_kind(kind: str) -> list[Block]:
 
 
 def _cpu_env() -> dict:
-    """The tests' Python first on PATH, no GPU visible."""
-    bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "CUDA_VISIBLE_DEVICES": ""}
+    """The tests' Python first on PATH (``python`` preloaded, :mod:`tests.preloaded_python`), no GPU visible."""
+    bin_dirs = os.pathsep.join([str(Path(preloaded_python.python()).parent), str(Path(sys.executable).parent)])
+    return {**os.environ, "PATH": f"{bin_dirs}{os.pathsep}{os.environ.get('PATH', '')}", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _run(command: str, timeout: int, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -115,7 +117,7 @@ def test_doctor_commands_end_with_a_verdict() -> None:
 
 def test_python_blocks_run() -> None:
     for block in _of_kind("python"):
-        done = subprocess.run([sys.executable, "-c", block.body], cwd=ROOT, env=_cpu_env(), capture_output=True,
+        done = subprocess.run([preloaded_python.python(), "-c", block.body], cwd=ROOT, env=_cpu_env(), capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, f"README line {block.line}: {done.stderr[-3000:]}"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import preloaded_python
 from tests.launch_stand_ins import stand_in_launch
 
 
@@ -38,7 +39,7 @@ def test_without_the_plugin_megatron_rejects_deepepv2(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     args = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
             "--moe-flex-dispatcher-backend", "deepepv2"]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([preloaded_python.python(), str(script), *args], capture_output=True, text=True, timeout=240)
     rejected = done.returncode != 0 and "invalid choice: 'deepepv2'" in done.stderr
     # Only a megatron-core that ships its own deepepv2 may accept the name; ask (a second interpreter that imports
     # Megatron, seconds) only when the script was not rejected, the rare case.

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import preloaded_python
 from tests.launch_stand_ins import stand_in_launch
 from tools import train_gpt
 
@@ -297,7 +298,7 @@ def test_recorder_ends_the_process_once_the_last_step_is_recorded(tmp_path: Path
 
     root = Path(__file__).resolve().parents[2]
     path = tmp_path / "run.jsonl"
-    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(path), str(root)], capture_output=True, text=True,
+    done = subprocess.run([preloaded_python.python(), "-c", EXIT_SCRIPT, str(path), str(root)], capture_output=True, text=True,
                           timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["LOGGED", "1", "LOGGED", "2"]
