@@ -122,7 +122,6 @@ def serve() -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sys.argv[1])
     listener.listen(64)  # requests queue while the imports run
-    server_env = _import_time_environment(dict(os.environ))  # before the imports, which may set some
     root_handlers, root_level = list(logging.root.handlers), logging.root.level
     for name in PRELOAD:
         try:
@@ -131,6 +130,8 @@ def serve() -> None:
             pass
     logging.root.handlers[:] = root_handlers  # as a fresh interpreter's, should an import have configured it
     logging.root.setLevel(root_level)
+    # After the imports, which set some (torch: TORCHINDUCTOR_CACHE_DIR), as they did in the tests' process.
+    server_env = _import_time_environment(dict(os.environ))
     gc.collect()
     gc.freeze()  # the runs' collections skip what the server imported
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-request processes reap themselves
