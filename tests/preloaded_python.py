@@ -44,7 +44,7 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.transfo
 IMPORT_TIME_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
                          "LD_PRELOAD", "LD_LIBRARY_PATH", "TORCH", "PYTORCH", "OMP_", "MKL_", "NVTE_", "TRITON_")
 _HEADER = struct.Struct("!Q")
-_server: Optional[tuple[subprocess.Popen, Path]] = None
+_executable: Optional[str] = None
 #: The environment the server starts with: this process's when the module was first imported, not what a test that
 #: asks first has patched.
 _BASE_ENV = dict(os.environ)
@@ -56,38 +56,46 @@ def _import_time_environment(env: dict[str, str]) -> dict[str, str]:
 
 # --------------------------------------------------------------------------------------------------------- the test side
 def python() -> str:
-    """The path of the preloaded ``python`` (its server started on the first call in this process).
+    """The path of the preloaded ``python``; its server starts on the first call.
+
+    One server serves a whole pytest-xdist run (its workers share ``PYTEST_XDIST_TESTRUNUID``): the first worker to
+    ask starts it, and it exits when the run's controller does. Without xdist, this process owns it.
 
     Returns:
         An executable to use where a test would use ``sys.executable``.
     """
-    global _server
-    if _server is None:
-        folder = Path(tempfile.mkdtemp(prefix="preloaded-python-"))
-        socket_path = folder / "server.sock"
-        with open(folder / "server.log", "wb") as log:  # its import warnings; a run's output goes to the run's caller
-            server = subprocess.Popen([sys.executable, "-c", "from tests.preloaded_python import serve; serve()",
-                                       str(socket_path)], cwd=ROOT, env=_BASE_ENV, stdin=subprocess.DEVNULL, stdout=log,
-                                      stderr=log)
-        deadline = time.monotonic() + 60
-        while not socket_path.exists():  # bound at once, before the imports: requests wait in its queue
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the preloaded python's server did not start: {(folder / 'server.log').read_text()}")
-            time.sleep(0.01)
-        executable = folder / "python"
-        executable.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{__file__}" "{socket_path}" "$@"\n')
-        executable.chmod(0o755)
-        _server = (server, executable)
-        atexit.register(_stop, server, folder)
-    return str(_server[1])
-
-
-def _stop(server: subprocess.Popen, folder: Path) -> None:
-    server.kill()
-    server.wait()
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
+    global _executable
+    if _executable is not None:
+        return _executable
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id:
+        folder = Path(tempfile.gettempdir()) / f"preloaded-python-{run_id}"
+        try:
+            folder.mkdir()
+            owner = os.getppid()  # the xdist controller
+        except FileExistsError:
+            owner = None  # another worker starts it
+    else:
+        folder, owner = Path(tempfile.mkdtemp(prefix="preloaded-python-")), os.getpid()
+    socket_path, executable = folder / "server.sock", folder / "python"
+    if owner is not None:
+        staged = folder / "python.staged"
+        staged.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{__file__}" "{socket_path}" "$@"\n')
+        staged.chmod(0o755)
+        with open(folder / "server.log", "wb") as log:  # its import warnings; a run's output goes to its caller
+            subprocess.Popen([sys.executable, "-c", "from tests.preloaded_python import serve; serve()",
+                              str(socket_path), str(owner)], cwd=ROOT, env=_BASE_ENV, stdin=subprocess.DEVNULL,
+                             stdout=log, stderr=log, start_new_session=True)
+        staged.rename(executable)
+    deadline = time.monotonic() + 60
+    while not (socket_path.exists() and executable.exists()):  # bound before the imports: requests wait in its queue
+        if time.monotonic() > deadline:
+            log_path = folder / "server.log"
+            raise RuntimeError("the preloaded python's server did not start: "
+                               f"{log_path.read_text() if log_path.exists() else 'no log'}")
+        time.sleep(0.01)
+    _executable = str(executable)
+    return _executable
 
 
 # ------------------------------------------------------------------------------------------------------------ the client
@@ -114,15 +122,29 @@ def client(socket_path: str, argv: list[str]) -> None:
 
 # ------------------------------------------------------------------------------------------------------------ the server
 def serve() -> None:
-    """The server (``sys.argv[1]``: its socket path): binds, imports :data:`PRELOAD`, then forks a run per request."""
+    """The server (``sys.argv[1]``: its socket path, ``sys.argv[2]``: the process whose end ends it): binds, imports
+    :data:`PRELOAD`, then forks a run per request."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sys.argv[1])
+    listener.listen(64)  # requests queue while the imports run
+    try:
+        _serve(listener, owner=int(sys.argv[2]))
+    finally:  # the requests queued get an end of file; later ones find no server and run the real interpreter
+        listener.close()
+        os.unlink(sys.argv[1])
+    folder = os.path.dirname(sys.argv[1])
+    for name in os.listdir(folder):
+        os.unlink(os.path.join(folder, name))
+    os.rmdir(folder)
+
+
+def _serve(listener: socket.socket, owner: int) -> None:
     import gc
     import importlib
     import logging
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sys.argv[1])
-    listener.listen(64)  # requests queue while the imports run
     root_handlers, root_level = list(logging.root.handlers), logging.root.level
+    environment_before = dict(os.environ)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -130,17 +152,28 @@ def serve() -> None:
             pass
     logging.root.handlers[:] = root_handlers  # as a fresh interpreter's, should an import have configured it
     logging.root.setLevel(root_level)
-    # After the imports, which set some (torch: TORCHINDUCTOR_CACHE_DIR), as they did in the tests' process.
-    server_env = _import_time_environment(dict(os.environ))
+    # What the imports set themselves (torch: TORCHINDUCTOR_CACHE_DIR): a run has them as a fresh interpreter's
+    # imports would set them; the rest of the import-time variables must be the run's.
+    set_by_imports = {key: value for key, value in os.environ.items() if environment_before.get(key) != value}
+    server_env = _import_time_environment(environment_before)
     gc.collect()
     gc.freeze()  # the runs' collections skip what the server imported
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-request processes reap themselves
     while True:
+        if not select.select([listener], [], [], 1.0)[0]:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:  # the test run is over
+                return
+            continue
         connection, _ = listener.accept()
         if os.fork() == 0:
-            listener.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _supervise(connection, server_env)
+            try:
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _supervise(connection, server_env, set_by_imports)
+            finally:  # never back into the server's loop (or its clean-up)
+                os._exit(1)
         connection.close()
 
 
@@ -157,13 +190,16 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), list(fds)
 
 
-def _supervise(connection: socket.socket, server_env: dict[str, str]) -> None:
+def _supervise(connection: socket.socket, server_env: dict[str, str], set_by_imports: dict[str, str]) -> None:
     """The per-request process: forks the run, sends its status, kills it if the client goes away."""
     request, fds = _receive(connection)
     pid = os.fork()
     if pid == 0:
-        connection.close()
-        _run(request, fds, server_env)
+        try:
+            connection.close()
+            _run(request, fds, server_env, set_by_imports)
+        finally:  # _run ends the process itself; this is for what raises before it can
+            os._exit(1)
     for fd in fds:
         os.close(fd)
     while True:
@@ -179,7 +215,15 @@ def _supervise(connection: socket.socket, server_env: dict[str, str]) -> None:
         os._exit(0)
 
 
-def _run(request: dict, fds: list[int], server_env: dict[str, str]) -> None:
+def _differing(server_env: dict[str, str], set_by_imports: dict[str, str], env: dict[str, str]) -> list[str]:
+    """The import-time variables whose value in ``env`` is not what the server imported with: its environment before
+    the imports, or, for one the imports set, unset or the value they set."""
+    keys = set(server_env) | set(_import_time_environment(env)) | set(_import_time_environment(set_by_imports))
+    return sorted(key for key in keys if env.get(key) != server_env.get(key)
+                  and not (key in set_by_imports and env.get(key) in (None, set_by_imports[key])))
+
+
+def _run(request: dict, fds: list[int], server_env: dict[str, str], set_by_imports: dict[str, str]) -> None:
     """The run: the caller's streams, directory and environment, then ``python``'s ``-c``/``-m``/script semantics."""
     import builtins
     import io
@@ -191,7 +235,7 @@ def _run(request: dict, fds: list[int], server_env: dict[str, str]) -> None:
         os.close(fd)
     for name in [name for name in sys.modules if name == "tests" or name.startswith("tests.")]:
         del sys.modules[name]  # the server's (this project's): a run imports its own
-    argv, env = list(request["argv"]), request["env"]
+    argv, env = list(request["argv"]), {**set_by_imports, **request["env"]}
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
@@ -199,7 +243,10 @@ def _run(request: dict, fds: list[int], server_env: dict[str, str]) -> None:
     while argv and argv[0] in ("-u", "-B"):
         options.append(argv.pop(0))
     mode = argv[0] if argv and argv[0] in ("-c", "-m") else "script"
-    if not argv or (argv[0].startswith("-") and mode == "script") or _import_time_environment(env) != server_env:
+    differing = _differing(server_env, set_by_imports, request["env"])
+    if not argv or (argv[0].startswith("-") and mode == "script") or differing:
+        if env.get("PRELOADED_PYTHON_DEBUG"):
+            os.write(2, f"preloaded python: the real interpreter (options, or {differing} differ)\n".encode())
         os.execv(sys.executable, [sys.executable, *request["argv"]])
     unbuffered = "-u" in options or bool(env.get("PYTHONUNBUFFERED"))
     sys.dont_write_bytecode = "-B" in options or bool(env.get("PYTHONDONTWRITEBYTECODE"))
