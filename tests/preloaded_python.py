@@ -46,8 +46,8 @@ IMPORT_TIME_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSA
 _HEADER = struct.Struct("!Q")
 _executable: Optional[str] = None
 #: The environment the server starts with: this process's when the module was first imported, not what a test that
-#: asks first has patched.
-_BASE_ENV = dict(os.environ)
+#: asks first has patched (or what Megatron code run in the process has set since).
+SERVER_ENVIRONMENT = dict(os.environ)
 
 
 def _import_time_environment(env: dict[str, str]) -> dict[str, str]:
@@ -84,7 +84,7 @@ def python() -> str:
         staged.chmod(0o755)
         with open(folder / "server.log", "wb") as log:  # its import warnings; a run's output goes to its caller
             subprocess.Popen([sys.executable, "-c", "from tests.preloaded_python import serve; serve()",
-                              str(socket_path), str(owner)], cwd=ROOT, env=_BASE_ENV, stdin=subprocess.DEVNULL,
+                              str(socket_path), str(owner)], cwd=ROOT, env=SERVER_ENVIRONMENT, stdin=subprocess.DEVNULL,
                              stdout=log, stderr=log, start_new_session=True)
         staged.rename(executable)
     deadline = time.monotonic() + 60

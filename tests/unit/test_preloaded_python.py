@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import preloaded_python
 from tests.preloaded_python import python
 
 PROBE = ("import json, os, sys; data = sys.stdin.read(); "
@@ -20,8 +21,11 @@ PROBE = ("import json, os, sys; data = sys.stdin.read(); "
 
 
 def _run(executable: str, args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    # The server's environment (this process's may have gained variables from Megatron code run here since), and the
+    # reason on stderr should the run fall back to the real interpreter.
+    env = {**preloaded_python.SERVER_ENVIRONMENT, "PROBE_VALUE": "x", "PRELOADED_PYTHON_DEBUG": "1", **(env or {})}
     return subprocess.run([executable, *args], input="from stdin", capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PROBE_VALUE": "x", **(env or {})}, timeout=240)
+                          env=env, timeout=240)
 
 
 @pytest.mark.parametrize("mode", ["-c", "script", "-m"])
@@ -41,6 +45,7 @@ def test_an_import_time_variable_that_differs_gets_the_real_interpreter(tmp_path
     done = _run(python(), ["-c", PROBE], tmp_path, env={"TORCHDYNAMO_DISABLE": "0" if os.environ.get(
         "TORCHDYNAMO_DISABLE") == "1" else "1"})
     assert done.returncode == 3 and '"from stdin", false, "__main__"' in done.stdout, done.stdout
+    assert "the real interpreter (options, or ['TORCHDYNAMO_DISABLE'] differ)" in done.stderr, done.stderr
 
 
 def test_a_killed_client_takes_its_run_with_it(tmp_path: Path) -> None:
