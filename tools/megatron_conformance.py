@@ -54,7 +54,12 @@ class Configuration:
         return f"{self.backend}-{'hostsync' if self.host_sync else 'nohostsync'}"
 
     def environment(self) -> dict[str, str]:
-        return {"MEGATRON_DEEPEPV2_BACKEND": self.backend, "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "0" if self.host_sync else "1"}
+        """The package's settings for the run. Without host sync the experts must take device-side counts, and
+        Megatron's tests build ``SequentialMLP`` from the local spec, so those runs swap in the sync-free experts as
+        an unchanged training script does (``MEGATRON_DEEPEPV2_EXPERTS=sync_free``)."""
+        settings = {"MEGATRON_DEEPEPV2_BACKEND": self.backend, "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "0" if self.host_sync
+                    else "1"}
+        return settings if self.host_sync else {**settings, "MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
 
 
 def _free_port() -> int:

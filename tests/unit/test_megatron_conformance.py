@@ -35,6 +35,7 @@ UPSTREAM_LIKE = textwrap.dedent("""
             assert moe_flex_dispatcher_backend == "deepepv2"
             assert os.environ["MEGATRON_DEEPEPV2_BACKEND"] == "reference"
             assert os.environ["MEGATRON_DEEPEPV2_NO_HOST_SYNC"] == "0", "fails without host sync"
+            assert os.environ.get("MEGATRON_DEEPEPV2_EXPERTS") is None
 
         @pytest.mark.skipif(True, reason="TE 1.7.0 is required for MoE with FP8.")
         @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
