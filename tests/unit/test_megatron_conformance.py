@@ -35,7 +35,6 @@ UPSTREAM_LIKE = textwrap.dedent("""
             assert moe_flex_dispatcher_backend == "deepepv2"
             assert os.environ["MEGATRON_DEEPEPV2_BACKEND"] == "reference"
             assert os.environ["MEGATRON_DEEPEPV2_NO_HOST_SYNC"] == "0", "fails without host sync"
-            assert os.environ.get("MEGATRON_DEEPEPV2_EXPERTS") is None
 
         @pytest.mark.skipif(True, reason="TE 1.7.0 is required for MoE with FP8.")
         @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
@@ -89,3 +88,12 @@ def test_reports_fail_a_case_that_failed_on_any_rank(tmp_path: Path) -> None:
     cases = megatron_conformance.read_reports([report(0, ""), report(1, '<failure message="boom"/>')])
     assert cases == {"TestFlexDispatcher::a": {"outcome": "failed", "detail": "rank 1: boom", "seconds": 1.0}}
     assert megatron_conformance.verdict({"x": {"cases": {}, "exit": 0, "log": "x.log"}}).startswith("x: exit 0 with 0")
+
+
+def test_runs_without_host_sync_take_the_sync_free_experts() -> None:
+    """Megatron's tests build SequentialMLP, which a layer without host sync refuses: those runs swap in the sync-free
+    experts, as an unchanged script does; with host sync the layer spec's experts stay."""
+    with_sync, without = (megatron_conformance.Configuration("deepep", sync).environment() for sync in (True, False))
+    assert "MEGATRON_DEEPEPV2_EXPERTS" not in with_sync and with_sync["MEGATRON_DEEPEPV2_NO_HOST_SYNC"] == "0"
+    assert without == {"MEGATRON_DEEPEPV2_BACKEND": "deepep", "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1",
+                       "MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
