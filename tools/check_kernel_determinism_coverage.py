@@ -12,7 +12,8 @@ Usage::
 
     tools/check_kernel_determinism_coverage.py --base-ref origin/main [--labels determinism-exempt]
     tools/check_kernel_determinism_coverage.py --files megatron_deepepv2/ops.py tests/determinism/test_replay.py
-    tools/check_kernel_determinism_coverage.py --all          # every file of the project (CI)
+    tools/check_kernel_determinism_coverage.py --all          # every file of the project (CI; also in a copy
+                                                              # without its own .git)
 
 Exit codes: 0 clean, 1 violations, 2 usage error. Standard library only.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +46,38 @@ def _git(root: Path, *args: str) -> list[str]:
     if done.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
     return [line for line in done.stdout.splitlines() if line.strip()]
+
+
+#: Folders of a working tree that hold no project source (environments, caches, build outputs, git's own).
+NOT_SOURCE = {".git", ".venv", ".compat", "__pycache__", ".pytest_cache", "build", "dist", ".gpu", ".whl",
+              "third_party", "out"}
+
+
+def project_files(root: Path) -> tuple[list[str], str]:
+    """Every file of the project, and where the list came from.
+
+    In the project's own git checkout, git's tracked files. A copy without its own ``.git`` (alone, where git answers
+    nothing, or inside another repository, where git answers for that one and tracks none of these files) is walked
+    instead, leaving out :data:`NOT_SOURCE` folders and ``*.egg-info``.
+
+    Args:
+        root: The project's root folder.
+
+    Returns:
+        Root-relative paths, and ``"git ls-files"`` or ``"the folder's files"``.
+    """
+    try:
+        toplevel = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+        own_checkout = toplevel.returncode == 0 and Path(toplevel.stdout.strip()).resolve() == root.resolve()
+    except OSError:  # no git at all
+        own_checkout = False
+    if own_checkout:
+        return _git(root, "ls-files"), "git ls-files"
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in NOT_SOURCE and not d.endswith(".egg-info"))
+        files += [os.path.relpath(os.path.join(folder, name), root) for name in sorted(names)]
+    return files, "the folder's files"
 
 
 def changed_files(root: Path, base_ref: str) -> list[str]:
@@ -116,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--base-ref", help="judge the files changed since the merge base with this ref")
     source.add_argument("--files", nargs="+", help="judge these repository-relative files")
-    source.add_argument("--all", action="store_true", help="judge every tracked file (registration only)")
+    source.add_argument("--all", action="store_true", help="judge every file of the project (registration only): git's "
+                        "tracked files, or the folder's own where it is not a git checkout of its own")
     parser.add_argument("--labels", nargs="*", default=[], help="labels of the change (e.g. determinism-exempt)")
     parser.add_argument("--root", default=None, help="repository root (default: this file's repository)")
     parser.add_argument("--manifest", default=None, help="manifest path (default: ROOT/manifest.py)")
@@ -131,11 +166,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     manifest = load_manifest(manifest_path)
     labels = [label for value in args.labels for label in value.split(",") if label]
+    listed_by = "given"
     try:
         if args.base_ref:
-            files = changed_files(root, args.base_ref)
+            files, listed_by = changed_files(root, args.base_ref), "git diff"
         elif args.all:
-            files = _git(root, "ls-files")
+            files, listed_by = project_files(root)
         else:
             files = list(args.files)
     except RuntimeError as error:
@@ -146,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"warning: {warning}")
     for violation in violations:
         print(f"violation: {violation}")
-    print(f"determinism coverage: {len(files)} file(s) checked, {len(violations)} violation(s), "
+    print(f"determinism coverage: {len(files)} file(s) checked ({listed_by}), {len(violations)} violation(s), "
           f"{len(warnings)} warning(s)")
     return 1 if violations else 0
 
