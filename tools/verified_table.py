@@ -83,6 +83,10 @@ CAPABILITIES: tuple[Capability, ...] = (
                "bit", GPU,
                jsons=("docs/training_rounds_gpt_moe_h200_ep1.json", "docs/training_rounds_qwen3_moe_router_h200_ep1.json",
                       "docs/training_h200_ep1.json", "docs/training_resume_h200_ep1.json")),
+    Capability("Megatron-Core's own `TestFlexDispatcher` (core_v0.19.0) with `deepepv2` at EP=1", GPU,
+               jsons=("docs/megatron_conformance_h200_ep1.json",),
+               note="`make test-megatron`: DeepEP and the reference backend, with and without host sync; "
+                    "[which cases run](docs/conformance.md)"),
     Capability("the installer: DeepEP and NCCL built from source, and `--from-wheels`", GPU,
                jsons=("docs/install_deepep_h200.json",)),
     Capability("EP2 over NVLink (2x H200)", GPU, jsons=("docs/bench_T4096_H4096_E64_bf16.json",),
