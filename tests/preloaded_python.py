@@ -10,8 +10,9 @@ client kills the run.
 
 It runs the real interpreter instead (``exec``, so nothing differs but the time) when it cannot stand in: other
 interpreter options, an environment that differs from the server's in what is read at import time
-(:data:`IMPORT_TIME_VARIABLES`), no server. A test that needs Megatron not yet imported (import order) uses
-``sys.executable``.
+(:data:`IMPORT_TIME_VARIABLES`), no server. On a machine with a CUDA GPU :func:`python` is ``sys.executable``:
+there the server's imports initialise CUDA, which a forked process cannot use. A test that needs Megatron not yet imported
+(import order) uses ``sys.executable``.
 
 The server forks each run from a process with no other Python thread and CUDA not initialised, as the suite's rank
 forkserver does (:mod:`tests.distributed`).
@@ -67,6 +68,11 @@ def python() -> str:
     global _executable
     if _executable is not None:
         return _executable
+    if _cuda_available():
+        # Where a GPU is visible the server's imports initialise CUDA, which a forked process cannot use: the runs
+        # start fresh interpreters (such a machine has the cores for it).
+        _executable = sys.executable
+        return _executable
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_id:
         folder = Path(tempfile.gettempdir()) / f"preloaded-python-{run_id}"
@@ -96,6 +102,12 @@ def python() -> str:
         time.sleep(0.01)
     _executable = str(executable)
     return _executable
+
+
+def _cuda_available() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
 
 
 # ------------------------------------------------------------------------------------------------------------ the client

@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import preloaded_python
 from tests.preloaded_python import python
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="with a CUDA GPU the tests' python is the real "
+                                "interpreter (a process forked after CUDA is initialised cannot use it)")
 
 PROBE = ("import json, os, sys; data = sys.stdin.read(); "
          "print(json.dumps([sys.argv, os.getcwd(), os.environ.get('PROBE_VALUE'), sys.path[0], data, "
