@@ -14,8 +14,10 @@ import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import types
 import zipfile
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -590,10 +592,15 @@ def test_the_nccl_wheel_installs_with_pip_and_its_pth_puts_the_library_first(tmp
                            "--disable-pip-version-check", "--prefix", str(target), wheel],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    installed = target / relative / "nvidia" / "nccl"
+    # Where pip puts a --prefix install's data files and modules: the prefix scheme's paths (a distribution's Python
+    # may prefer another scheme than posix_prefix, e.g. with a "local" level).
+    paths = sysconfig.get_paths(sysconfig.get_preferred_scheme("prefix"), vars={"base": target, "platbase": target})
+    installed = Path(paths["data"]) / relative / "nvidia" / "nccl"
+    found = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert (installed / "lib" / "libnccl.so.2").is_file(), f"not at {installed}; pip installed {found}"
     assert (installed / "lib" / "libnccl.so.2").read_bytes() == b"\x7fELF nccl"
     assert (installed / "include" / "nccl_device" / "core.h").read_text() == "// device\n"
-    (pth,) = target.glob(f"lib/python*/site-packages/{PTH_NAME}")
+    (pth,) = Path(paths["purelib"]).glob(PTH_NAME)
     fake_sys = types.SimpleNamespace(prefix=str(target), path=["/site-packages"])
     line = pth.read_text().replace("import os, sys;", "import os;")
     exec(line, {"sys": fake_sys})  # noqa: S102 -- the installed file under test
