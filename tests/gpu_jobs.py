@@ -31,6 +31,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK_PATH = Path(tempfile.gettempdir()) / "megatron_deepepv2_gpu_job.lock"
+#: Next to a lock, one line per job that held it: its test, how long it waited and how long it held the lock (its own
+#: time, which the test's duration does not tell apart from the wait). For the GPU jobs: this file.
+JOB_LOG_PATH = LOCK_PATH.with_suffix(".log")
 #: Set by tests/conftest.py for the CPU tests; the GPU cases choose their own settings.
 CPU_TEST_SETTINGS = ("MEGATRON_DEEPEPV2_VALIDATE", "TORCHDYNAMO_DISABLE")
 #: How long a job waits for the lock before it fails: far beyond the GPU jobs' run times together (each is bounded by
@@ -116,6 +119,7 @@ def exclusive_gpus(lock_path: Path = LOCK_PATH, max_wait: float = MAX_LOCK_WAIT_
         lock_path: The lock file (another one only in the lock's own tests, which must not wait for real GPU jobs).
         max_wait: Seconds to wait for the lock before raising ``TimeoutError`` with the holder's process and test.
     """
+    asked = time.monotonic()
     with open(lock_path, "a+") as lock:
         if not _try_lock(lock):
             with _timeout_paused():
@@ -125,13 +129,18 @@ def exclusive_gpus(lock_path: Path = LOCK_PATH, max_wait: float = MAX_LOCK_WAIT_
                         holder = Path(lock_path).read_text().strip() or "an unknown process"
                         raise TimeoutError(f"waited {max_wait:g} s for the GPU-job lock {lock_path}, held by {holder}")
                     time.sleep(_POLL_S)
+        held = time.monotonic()
+        holder = os.environ.get("PYTEST_CURRENT_TEST") or " ".join(sys.argv)
         try:
             lock.truncate(0)  # who holds it, for the message above
-            lock.write(f"pid {os.getpid()} ({os.environ.get('PYTEST_CURRENT_TEST') or ' '.join(sys.argv)})\n")
+            lock.write(f"pid {os.getpid()} ({holder})\n")
             lock.flush()
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+            with open(Path(lock_path).with_suffix(".log"), "a") as log:
+                log.write(f"{time.strftime('%H:%M:%S')} {holder}: waited {held - asked:.1f} s, held "
+                          f"{time.monotonic() - held:.1f} s\n")
 
 
 def run_gpu_job(command: Sequence[str], timeout: float) -> subprocess.CompletedProcess:

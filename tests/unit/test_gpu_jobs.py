@@ -54,6 +54,11 @@ def test_gpu_jobs_run_one_at_a_time(tmp_path) -> None:
     spans.sort()
     assert len(spans) == 3
     assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), spans
+    # Each job's line beside the lock: its own time (about 0.3 s) apart from its wait (up to two other jobs).
+    lines = (tmp_path / "gpu.log").read_text().splitlines()
+    times = [tuple(float(part.split()[1]) for part in line.split(": ")[-1].split(", ")) for line in lines]
+    assert len(lines) == 3 and all("test_gpu_jobs_run_one_at_a_time" in line for line in lines), lines
+    assert all(0.25 < held < 0.6 for _, held in times) and max(waited for waited, _ in times) > 0.25, lines
 
 
 def test_a_wait_past_max_wait_fails_naming_the_holder(tmp_path) -> None:
