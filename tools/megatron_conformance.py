@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import xml.etree.ElementTree as ElementTree
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_deepepv2.testing.spawn import free_port  # noqa: E402
 from tools import _bench  # noqa: E402
 
 logger = logging.getLogger("megatron_conformance")
@@ -60,12 +60,6 @@ class Configuration:
         settings = {"MEGATRON_DEEPEPV2_BACKEND": self.backend, "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "0" if self.host_sync
                     else "1"}
         return settings if self.host_sync else {**settings, "MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def visible_gpus() -> int:
@@ -122,11 +116,11 @@ def run_configuration(config: Configuration, megatron_lm: str, nproc: int, out: 
            "PYTHONPATH": os.pathsep.join(filter(None, [megatron_lm, PLUGIN_DIR, os.environ.get("PYTHONPATH")]))}
     if nproc == 1:  # torchrun's variables for one rank, without its launcher process
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
+                   MASTER_PORT=str(free_port()))
         launcher = [sys.executable]
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                    str(_free_port())]
+                    str(free_port())]
     command = [*launcher, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-q", "-rs",
                f"--junitxml={os.path.join(reports, 'rank{rank}.xml')}", f"{TEST_FILE}::{TEST_CLASS}"]
     log_path = os.path.join(out, f"{config.name}.log")

@@ -14,7 +14,7 @@ What the backend is and whether a dispatch waits on the host come from the packa
 (``MEGATRON_DEEPEPV2_BACKEND``, ``MEGATRON_DEEPEPV2_NO_HOST_SYNC``). With ``MEGATRON_DEEPEPV2_BACKEND=deepep`` and no
 usable DeepEP every case skips with DeepEP's reason, not a failure.
 
-Megatron's ``tests/unit_tests/conftest.py`` downloads its CI datasets at session start (``requests`` with no timeout,
+Megatron's ``tests/unit_tests/conftest.py`` downloads its CI datasets when its tests start (``requests`` with no timeout,
 and ``click`` imported for it); the dispatcher tests need no data, so its downloader is replaced by one that says so.
 """
 
@@ -70,22 +70,16 @@ def _rewritten(mark: pytest.Mark, world: int) -> Optional[pytest.Mark]:
     return mark
 
 
-def rewrite_marks(obj: Any, world: int) -> bool:
+def rewrite_marks(obj: Any, world: int) -> None:
     """Rewrites ``obj.pytestmark`` in place for this run (see the module docstring).
 
     Args:
         obj: A test function or class.
         world: Ranks in the run.
-
-    Returns:
-        Whether ``obj`` carried a flex-backend parametrization or the skip about Megatron's backends.
     """
     marks = getattr(obj, "pytestmark", None)
-    if not isinstance(marks, list):
-        return False
-    rewritten = [_rewritten(mark, world) for mark in marks]
-    obj.pytestmark = [mark for mark in rewritten if mark is not None]
-    return any(new is not old for new, old in zip(rewritten, marks))
+    if isinstance(marks, list):
+        obj.pytestmark = [mark for mark in (_rewritten(mark, world) for mark in marks) if mark is not None]
 
 
 def _replace_downloader() -> None:
