@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m megatron_deepepv2.demo $(DEMO_ARGS)
+	$(PY) -m megatron_deepepv2.cli.demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) tools/check_kernel_determinism_coverage.py --all

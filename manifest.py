@@ -100,8 +100,8 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="sync_free_deterministic_order",
-        sources=("megatron_deepepv2/sync_free_order.py",),
-        tests=("tests/unit/test_sync_free_order.py", "tests/unit/test_deepep_adapter.py",
+        sources=("megatron_deepepv2/receive_order.py",),
+        tests=("tests/unit/test_receive_order.py", "tests/unit/test_deepep_adapter.py",
                "tests/functional/deepep_cases.py"),
         kind="torch-op",
         notes="DeepEP's deterministic receive order without host reads: integer keys, a scatter-add with at most one "
@@ -112,7 +112,7 @@ KERNELS: tuple[KernelEntry, ...] = (
         name="buffer_lifecycle_and_agreement",
         sources=(
             "megatron_deepepv2/buffers.py",
-            "megatron_deepepv2/_dist.py",
+            "megatron_deepepv2/groups.py",
             "megatron_deepepv2/failures.py",
             "megatron_deepepv2/validation.py",
             "megatron_deepepv2/expert_ids.py",
@@ -129,7 +129,7 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="demo",
-        sources=("megatron_deepepv2/demo.py",),
+        sources=("megatron_deepepv2/cli/demo.py",),
         exempt_reason="Demo training loop (broadcast / gradient all-reduce); not library code.",
         kind="demo",
     ),

@@ -5,7 +5,7 @@
 #
 # The Megatron-LM checkout must match the installed megatron-core release (its pretrain_gpt.py, gpt_builders.py,
 # model_provider.py and megatron/ are used unchanged; e.g. the core_v0.19.0 tag for megatron-core 0.19.x). The launch
-# only prefixes pretrain_gpt.py with `-m megatron_deepepv2.run`, which installs the backend before Megatron parses
+# only prefixes pretrain_gpt.py with `-m megatron_deepepv2.cli.run`, which installs the backend before Megatron parses
 # `--moe-flex-dispatcher-backend deepepv2`. Backend: DeepEP's ElasticBuffer when usable, else the portable reference
 # backend (MEGATRON_DEEPEPV2_BACKEND).
 #
@@ -36,7 +36,7 @@
 #   no host sync + CUDA graphs:     MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 MEGATRON_DEEPEPV2_EXPERTS=sync_free ... \
 #                                   --cuda-graph-impl local
 #   determinism:                    ... --deterministic-mode  (megatron-core < 0.19 also needs NCCL_ALGO=Ring)
-# RUNNER replaces `-m megatron_deepepv2.run` (e.g. `tools/train_gpt.py record --out run.jsonl --`, which also
+# RUNNER replaces `-m megatron_deepepv2.cli.run` (e.g. `tools/train_gpt.py record --out run.jsonl --`, which also
 # records every step).
 set -euo pipefail
 
@@ -47,7 +47,7 @@ shift $(( $# >= 2 ? 2 : 1 ))
 export EP_DISABLE_GIN=${EP_DISABLE_GIN:-1}            # single node without an RDMA NIC
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
-RUNNER=${RUNNER:--m megatron_deepepv2.run}
+RUNNER=${RUNNER:--m megatron_deepepv2.cli.run}
 # The shape every model shares unless it sets its own (later arguments win in Megatron's parser).
 SHAPE_ARGS=(--hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16 --seq-length 1024
   --max-position-embeddings 1024 --num-experts 64 --moe-ffn-hidden-size 256 --micro-batch-size 4)

@@ -3,9 +3,10 @@
 Public API:
 
 * :func:`dispatch` / :func:`combine` -- differentiable expert-parallel all-to-all, :func:`resolve_config` -- a
-  configuration resolved once for repeated calls (:mod:`.ops`, :mod:`.backends`);
+  configuration resolved once for repeated calls (:mod:`.ops`);
 * :class:`ExpertLayout`, :class:`DispatchConfig`, :class:`DispatchHandle`, :class:`DispatchResult` -- the types they
-  speak (:mod:`.backends.base`);
+  speak (:mod:`.layout`, :mod:`.backends.base`); :func:`register_backend`, :func:`resolve_backend`,
+  :func:`backend_names` -- the backends by name (:mod:`.backends.registry`);
 * :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
 * :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.integration`);
 * :func:`destroy_buffers` -- release communication buffers before shutdown, :func:`release_retired_buffers` --
@@ -13,20 +14,15 @@ Public API:
 * :class:`PeerFailure` -- what a rank raises when another rank of its group failed first (:mod:`.failures`).
 """
 
-from megatron_deepepv2.backends import (
-    DispatchConfig,
-    DispatchHandle,
-    DispatchResult,
-    ExpertLayout,
-    backend_names,
-    register_backend,
-    resolve_backend,
-    resolve_config,
-)
-from megatron_deepepv2.failures import PeerFailure
+# The built-in backends register themselves on import (megatron_deepepv2.backends.registry).
+from megatron_deepepv2.backends import deepep as _deepep, reference as _reference  # noqa: F401
+from megatron_deepepv2.backends.base import DispatchConfig, DispatchHandle, DispatchResult
+from megatron_deepepv2.backends.registry import backend_names, register_backend, resolve_backend
 from megatron_deepepv2.buffers import destroy_buffers, release_retired_buffers
 from megatron_deepepv2.config import DeepepV2Settings, configure, get_settings, settings_override
-from megatron_deepepv2.ops import combine, dispatch
+from megatron_deepepv2.failures import PeerFailure
+from megatron_deepepv2.layout import ExpertLayout
+from megatron_deepepv2.ops import combine, dispatch, resolve_config
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,8 @@
 """Buffer lifecycle: the one registry of this process's communication buffers.
 
-One buffer lives per (backend, process group, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`). Builds are
-collective, never run in CUDA-graph capture, and agree on the key over the ranks. A rebuild for more tokens retires the
+One buffer lives per (backend, process group, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`), kept in the
+group's :class:`~megatron_deepepv2.groups.GroupState`. Builds are collective, never run in CUDA-graph capture, and
+agree on :data:`~megatron_deepepv2.backends.base.BUILD_AGREEMENT` over the ranks. A rebuild for more tokens retires the
 old buffer: its handles keep working until :func:`release_retired_buffers` (or a build) finds no rank uses it.
 """
 
@@ -10,21 +11,20 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.failures import PeerFailure, all_reduce_max, announce_failure, begin_build, rendezvous
-from megatron_deepepv2._dist import next_power_of_two
-from megatron_deepepv2.config import BUFFER_SETTINGS
-from megatron_deepepv2.validation import raise_on_every_rank
+from megatron_deepepv2.backends.base import BUILD_AGREEMENT
+from megatron_deepepv2.failures import (PeerFailure, all_reduce_max, announce_failure, begin_build,
+                                        raise_on_every_rank, rendezvous)
+from megatron_deepepv2.groups import GroupState, known_groups, next_power_of_two, state_of
 
 if TYPE_CHECKING:
     from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -37,13 +37,6 @@ class BufferStats:
     released: int = 0
 
 
-#: (backend name, group, BufferSpec.key).
-_Key = tuple[str, dist.ProcessGroup, tuple]
-
-#: Buffer in use per key.
-_buffers: dict[_Key, DispatchBackend] = {}
-#: Superseded buffers per group, in retirement order, until no handle uses them.
-_retired: dict[dist.ProcessGroup, list[DispatchBackend]] = {}
 #: A buffer's handle records are pruned when they grow past this many entries (then past twice the live ones).
 _PRUNE_AT = 64
 
@@ -63,11 +56,10 @@ class _HandleRecords:
         self.prune_at = max(_PRUNE_AT, 2 * len(self.refs))
 
     def any_alive(self) -> bool:
+        """Returns whether a handle is still alive."""
         return any(ref() is not None for ref in self.refs)
 
 
-#: Handle records of each buffer.
-_handles: dict[DispatchBackend, _HandleRecords] = {}
 _stats = BufferStats()
 
 
@@ -91,32 +83,64 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
             stopped waiting for this rank), or build with another key.
         PeerFailure: A peer failed in this call.
     """
-    key = (backend_cls.name, group, spec.key)
-    current = _buffers.get(key)
+    state = state_of(group)
+    key = (backend_cls.name, spec.key)
+    current = state.buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
         return current
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
                            "capture. Run one eager step with the same shapes before capturing.")
+    _meet_to_build(backend_cls.name, group, spec, num_tokens, current)
+    # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
+    # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
+    largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, fields=BUILD_AGREEMENT,
+                                  values=spec.agreement(), purpose="buffer builds")
+    if state.retired:
+        _release(group, state)
     configured = spec.settings.num_max_tokens_per_rank
-    growth_timeout_s = spec.settings.growth_timeout_s
     # A configured limit is kept exact (without host sync it sizes every worst-case receive). Start from the group's
     # largest limit, so that a second key does not grow through the sizes the first one did.
-    limit = max([int(configured or 0)] + [b.spec.num_max_tokens_per_rank for (name, g, _), b in _buffers.items()
-                                          if name == backend_cls.name and g is group])
-    # Meet at the store first: a rank that exceeds the limit alone then fails with its reason instead of waiting in an
-    # all-reduce the others never join.
+    limit = max([int(configured or 0)] + [b.spec.num_max_tokens_per_rank for (name, _), b in state.buffers.items()
+                                          if name == backend_cls.name])
+    # A learnt limit is rounded up to a power of two, so that varying batches rebuild (and recompile DeepEP) rarely.
+    limit = max(limit, next_power_of_two(largest) if not configured else largest)
+    if current is not None:
+        _stats.rebuilds += 1
+        logger.info("Rebuilding the %s buffer: %d tokens exceed the token limit %d (the old buffer is kept until no "
+                    "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
+        state.retired.append(state.buffers.pop(key))
+    buffer = state.buffers[key] = backend_cls(group, replace(spec, num_max_tokens_per_rank=limit))
+    _stats.builds += 1
+    logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
+                "%d ranks)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
+                buffer.group_size)
+    return buffer
+
+
+def _meet_to_build(backend_name: str, group: dist.ProcessGroup, spec: BufferSpec, num_tokens: int,
+                   current: Optional[DispatchBackend]) -> None:
+    """Meets the other ranks of ``group`` at the store before a build (``current`` None) or a growth of ``current``:
+    a rank that exceeds the limit alone then fails with its reason instead of waiting in an all-reduce the others
+    never join.
+
+    Raises:
+        ValueError: The others did not come within ``spec.settings.growth_timeout_s``, or stopped waiting for this
+            rank (announced to them).
+        PeerFailure: A peer failed first in this call.
+    """
+    growth_timeout_s = spec.settings.growth_timeout_s
     if current is None:
-        reason = f"builds its first {backend_cls.name} buffer for hidden size {spec.hidden}, top-k {spec.num_topk}"
+        reason = f"builds its first {backend_name} buffer for hidden size {spec.hidden}, top-k {spec.num_topk}"
         why_not, fix = "they dispatch shapes they have a buffer for, or stopped before", ""
     else:
-        reason = (f"dispatches {num_tokens} tokens, more than the {backend_cls.name} buffer's token limit "
+        reason = (f"dispatches {num_tokens} tokens, more than the {backend_name} buffer's token limit "
                   f"{current.spec.num_max_tokens_per_rank}")
         why_not = "their batches fit"
         fix = ("the limit grows only when the ranks exceed it together: set num_max_tokens_per_rank "
                "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to the largest per-rank token count, or turn on "
                "MEGATRON_DEEPEPV2_VALIDATE=1 (the ranks then grow in lock-step)")
-    what = "build" if current is None else "grow"
+    what, fix_sentence = "build" if current is None else "grow", f" The {fix}." if fix else ""
     try:
         arrived = rendezvous(group, begin_build(group, f"{reason} ({fix})" if fix else reason), growth_timeout_s)
     except PeerFailure as failure:
@@ -125,43 +149,22 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
         # The peers stopped waiting for this rank in their communication: they did not need this build.
         problem = ValueError(f"This rank {reason}, but the other ranks of the expert-parallel group did not come to "
                              f"{what} it: {why_not}; they stopped waiting for this rank (rank(s) "
-                             f"{sorted(failure.consequences)}).{f' The {fix}.' if fix else ''}")
+                             f"{sorted(failure.consequences)}).{fix_sentence}")
         announce_failure(group, problem)
         raise problem from failure
     if not arrived:
         problem = ValueError(f"This rank {reason}, but the other ranks of the expert-parallel group did not come to "
-                             f"{what} it within {growth_timeout_s:g} s: {why_not}.{f' The {fix}.' if fix else ''}")
+                             f"{what} it within {growth_timeout_s:g} s: {why_not}.{fix_sentence}")
         announce_failure(group, problem)
         raise problem
-    # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
-    # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
-    alike = dict(zip(("hidden size", "top-k", "FP8", *BUFFER_SETTINGS),
-                     (-1 if v is None else int(v) for v in spec.key)))
-    largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, alike=alike)
-    if group in _retired:
-        _release(group)
-    # A learnt limit is rounded up to a power of two, so that varying batches rebuild (and recompile DeepEP) rarely.
-    limit = max(limit, next_power_of_two(largest) if not configured else largest)
-    if current is not None:
-        _stats.rebuilds += 1
-        logger.info("Rebuilding the %s buffer: %d tokens exceed the token limit %d (the old buffer is kept until no "
-                    "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
-        _retired.setdefault(group, []).append(_buffers.pop(key))
-    buffer = backend_cls(group, replace(spec, num_max_tokens_per_rank=limit))
-    _buffers[key] = buffer
-    _stats.builds += 1
-    logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
-                "%d ranks)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
-                buffer.group_size)
-    return buffer
 
 
-def track_handle(handle) -> None:
+def track_handle(handle: Any) -> None:
     """Records ``handle``, a :class:`~megatron_deepepv2.backends.base.DispatchHandle` just returned by a dispatch, as
-    a user of its buffer until the handle is garbage."""
-    records = _handles.get(handle.buffer)
+    a user of its buffer until the handle is garbage (one weak reference appended; O(1))."""
+    records = handle.buffer.handle_records
     if records is None:
-        records = _handles[handle.buffer] = _HandleRecords()
+        records = handle.buffer.handle_records = _HandleRecords()
     refs = records.refs  # appended here, not in a method: this runs every dispatch
     refs.append(weakref.ref(handle))  # no callback: the cheapest record there is
     if len(refs) > records.prune_at:
@@ -169,31 +172,26 @@ def track_handle(handle) -> None:
 
 
 def _in_use(buffer: DispatchBackend) -> bool:
-    records = _handles.get(buffer)
-    return records is not None and records.any_alive()
+    return buffer.handle_records is not None and buffer.handle_records.any_alive()
 
 
 def _forget(buffer: DispatchBackend) -> None:
     """Destroys ``buffer`` (collective) and drops its handle records."""
     buffer.destroy()
-    _handles.pop(buffer, None)
+    buffer.handle_records = None
 
 
-def _release(group: dist.ProcessGroup) -> int:
+def _release(group: dist.ProcessGroup, state: GroupState) -> int:
     """Destroys the retired buffers of ``group`` that no rank's handle uses (collective: every rank calls it with the
     same retired buffers). Returns how many it destroyed."""
-    retired = _retired[group]
+    retired = state.retired
     in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], group)
-    keep = [buffer for buffer, used in zip(retired, in_use) if used]
+    state.retired = [buffer for buffer, used in zip(retired, in_use) if used]
     for buffer, used in zip(retired, in_use):
         if not used:
             _forget(buffer)
             _stats.released += 1
-    if keep:
-        _retired[group] = keep
-    else:
-        del _retired[group]
-    return len(retired) - len(keep)
+    return len(retired) - len(state.retired)
 
 
 def release_retired_buffers() -> int:
@@ -209,19 +207,20 @@ def release_retired_buffers() -> int:
     """
     released = 0
     # The same order on every rank, whatever order the groups retired buffers in.
-    for group in sorted(_retired, key=dist.get_process_group_ranks):
-        released += _release(group)
+    for group in sorted((g for g in known_groups() if state_of(g).retired), key=dist.get_process_group_ranks):
+        released += _release(group, state_of(group))
     return released
 
 
 def destroy_buffers() -> None:
     """Destroys every buffer of this process, retired ones included (collective: call it on every rank, e.g.
     before shutdown, once no backward pass is pending)."""
-    for key in list(_buffers):
-        _forget(_buffers.pop(key))
-    for group in list(_retired):
-        for buffer in _retired.pop(group):
+    for group in known_groups():
+        state = state_of(group)
+        for buffer in [*state.buffers.values(), *state.retired]:
             _forget(buffer)
+        state.buffers.clear()
+        state.retired = []
 
 
 def buffer_stats() -> BufferStats:
@@ -231,9 +230,9 @@ def buffer_stats() -> BufferStats:
 
 def active_buffers() -> list[DispatchBackend]:
     """Returns the buffers in use of this process (one per backend, group and shape key)."""
-    return list(_buffers.values())
+    return [buffer for group in known_groups() for buffer in state_of(group).buffers.values()]
 
 
 def retired_buffers() -> list[DispatchBackend]:
     """Returns the superseded buffers still kept for the dispatch handles that use them."""
-    return [buffer for group in _retired.values() for buffer in group]
+    return [buffer for group in known_groups() for buffer in state_of(group).retired]

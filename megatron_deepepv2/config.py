@@ -6,9 +6,9 @@ also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in capitals (`
 ``MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK``), parsed by the field's type on first use. A ``MEGATRON_DEEPEPV2_*``
 variable that no setting reads gets one WARNING naming the closest setting's variable (or, for a removed setting, what
 to do instead); :data:`OTHER_VARIABLES` lists the ones read elsewhere. Code and tests change settings with
-:func:`configure` or, for a block, :func:`settings_override`. A layer's dispatch configuration
-(:class:`~megatron_deepepv2.backends.base.DispatchConfig`) carries the settings it was resolved with; the rules on
-their values live in :mod:`megatron_deepepv2.validation` and run when a configuration is resolved.
+:func:`configure` or, for a block, :func:`settings_override`. Settings check their values when they are built
+(:meth:`DeepepV2Settings.check`), so a bad value raises where it is given. A layer's dispatch configuration
+(:class:`~megatron_deepepv2.backends.base.DispatchConfig`) carries the settings it was resolved with.
 """
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
-#: Field metadata: the field is an argument of the communication buffer's construction, so buffers are kept apart by
-#: its value (:attr:`~megatron_deepepv2.backends.base.BufferSpec.key`).
-BUFFER = {"buffer": True}
 #: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
 #: about: the test suite's Megatron-LM tree with a native deepepv2 and the DeepEP and NCCL trees of the README's GPU
 #: test; and the node identity of :mod:`megatron_deepepv2.topology`, which differs per node.
@@ -34,6 +31,9 @@ REMOVED_VARIABLES = {
     "MEGATRON_DEEPEPV2_LAYOUT": "Megatron layers always dispatch in the expand layout, and direct callers pass layout= "
                                 "to megatron_deepepv2.dispatch(); unset it",
 }
+#: The values of the ``manager`` and ``experts`` settings.
+MANAGERS = ("plugin", "native")
+EXPERTS = ("spec", "sync_free")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -55,10 +55,11 @@ class DeepepV2Settings:
             layers skip it: their ids come from ``torch.topk``.
         growth_timeout_s: Seconds a rank waits at a buffer build for the other ranks before it raises.
         deterministic: Bit-exact run to run: received rows in a fixed order (DeepEP's deterministic sort with host sync,
-            :mod:`megatron_deepepv2.sync_free_order` without), ordered reductions. Megatron's ``--deterministic-mode``
+            :mod:`megatron_deepepv2.receive_order` without), ordered reductions. Megatron's ``--deterministic-mode``
             turns it on for its layers.
         num_sms: SMs for the communication kernels (dispatch, combine and their backward), when Megatron's
-            ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset; 0 = DeepEP's choice.
+            ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset; 0 = DeepEP's choice. A
+            per-call argument of DeepEP, not of its buffer: dispatches with different SM counts share one buffer.
         allow_hybrid_mode: DeepEP hybrid (RDMA x NVLink) mode; None: only when the group spans nodes.
         host_sync: Whether a dispatch waits on the host for exact sizes. False (``MEGATRON_DEEPEPV2_NO_HOST_SYNC=1``):
             outputs sized for the worst case from ``num_max_tokens_per_rank``, counts on the device, nothing read on
@@ -78,18 +79,44 @@ class DeepepV2Settings:
     check_ids: bool = True
     growth_timeout_s: float = 120.0
     deterministic: bool = False
-    num_sms: int = field(default=64, metadata=BUFFER)
-    allow_hybrid_mode: Optional[bool] = field(default=None, metadata=BUFFER)
+    num_sms: int = 64
+    allow_hybrid_mode: Optional[bool] = None
     host_sync: bool = field(default=True, metadata={"variable": "NO_HOST_SYNC", "inverted": True})
     fp8_dispatch: bool = False
     manager: str = "plugin"
     experts: str = "spec"
 
     def __post_init__(self) -> None:
-        # Names are compared in one spelling; the rules on the values are validation's (check_settings).
+        # Names are compared in one spelling.
         object.__setattr__(self, "backend", str(self.backend).lower())
         object.__setattr__(self, "manager", str(self.manager).lower())
         object.__setattr__(self, "experts", str(self.experts).lower().replace("-", "_"))
+        self.check()
+
+    def check(self) -> None:
+        """Checks the values (run when the settings are built).
+
+        Raises:
+            ValueError: For a value its setting cannot take, naming the setting's environment variable.
+        """
+        if self.manager not in MANAGERS:
+            raise ValueError(f"manager={self.manager!r} is not one of {', '.join(MANAGERS)} "
+                             "(MEGATRON_DEEPEPV2_MANAGER: 'plugin' for this package's deepepv2, 'native' for "
+                             "megatron-core's own).")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts={self.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS:"
+                             " 'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
+                             "SequentialMLP).")
+        if self.num_max_tokens_per_rank is not None and int(self.num_max_tokens_per_rank) <= 0:
+            raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token "
+                             "count, or unset to take the largest first batch over the ranks "
+                             "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK).")
+        if float(self.growth_timeout_s) <= 0:
+            raise ValueError(f"growth_timeout_s={self.growth_timeout_s} must be a positive number of seconds "
+                             "(MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S).")
+        if int(self.num_sms) < 0:
+            raise ValueError(f"num_sms={self.num_sms} must be >= 0, 0 letting the backend choose "
+                             "(MEGATRON_DEEPEPV2_NUM_SMS).")
 
     @classmethod
     def from_env(cls, environ: Optional[typing.Mapping[str, str]] = None) -> "DeepepV2Settings":
@@ -124,15 +151,6 @@ def _variables(f: dataclasses.Field) -> list[str]:
     if f.name == "num_max_tokens_per_rank":
         names.append(_ENV_PREFIX + "MAX_TOKENS_PER_RANK")
     return names
-
-
-#: The names of the fields marked :data:`BUFFER`, in declaration order.
-BUFFER_SETTINGS = tuple(f.name for f in dataclasses.fields(DeepepV2Settings) if f.metadata.get("buffer"))
-
-
-def buffer_settings(settings: DeepepV2Settings) -> tuple:
-    """The values of the :data:`BUFFER_SETTINGS` of ``settings``: what keeps buffers apart."""
-    return tuple(getattr(settings, name) for name in BUFFER_SETTINGS)
 
 
 def setting_variables() -> list[str]:

@@ -10,7 +10,7 @@ Two lines provide the expert-parallel buffer the backends drive:
 A ``deep_ep`` that exports only ``Buffer`` is DeepEP v1 (or HybridEP, which installs a module of the same name).
 The doctor, the installer and the backend's import check all ask this module, so the requirements live in one place;
 :func:`import_deep_ep` and :func:`deepep_unavailable_reason` are the backend's import and availability checks, and
-:func:`handle_order_problem` says whether the installed handle allows deterministic mode.
+:func:`handle_order_unavailable_reason` says whether the installed handle allows deterministic mode.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ Version = tuple[int, ...]
 
 @dataclass(frozen=True)
 class DeepEPLine:
-    """One DeepEP release line and its requirements.
+    """One DeepEP release line, its requirements, and how the backend's calls differ on it.
 
     Attributes:
         name: The line's name as users know it (``"2.1"``, ``"V2.5"``).
@@ -39,6 +39,9 @@ class DeepEPLine:
         min_nccl: The oldest NCCL it builds and runs with.
         min_nvcc: The oldest nvcc its JIT accepts, or None when any CUDA 12.3+ toolkit does.
         needs_nvshmem: Whether its build needs NVSHMEM.
+        dispatch_kwargs: Keyword arguments every dispatch passes on this line.
+        even_num_sms: An explicit SM count is rounded up to even.
+        keeps_topk_idx: The handle keeps the caller's ``topk_idx``, not a copy.
     """
 
     name: str
@@ -46,10 +49,18 @@ class DeepEPLine:
     min_nccl: Version
     min_nvcc: Optional[Version]
     needs_nvshmem: bool
+    dispatch_kwargs: tuple[tuple[str, Any], ...] = ()
+    even_num_sms: bool = False
+    keeps_topk_idx: bool = False
+
+    def num_sms(self, requested: int) -> int:
+        """Returns the SM count the line runs with for ``requested`` (0 = DeepEP's choice)."""
+        return requested + (requested % 2) if self.even_num_sms else requested
 
 
 DEEPEP_2_1 = DeepEPLine("2.1", "ElasticBuffer", (2, 30, 4), None, True)
-DEEPEP_2_5 = DeepEPLine("V2.5", "EPBuffer", (2, 32, 3), (13, 1), False)
+DEEPEP_2_5 = DeepEPLine("V2.5", "EPBuffer", (2, 32, 3), (13, 1), False, dispatch_kwargs=(("do_handle_copy", False),),
+                        even_num_sms=True, keeps_topk_idx=True)
 #: Newest first: a module exporting both buffers is taken as the newer line.
 LINES = (DEEPEP_2_5, DEEPEP_2_1)
 
@@ -114,10 +125,10 @@ def source_tree_version(path: str) -> str:
 INSTALL_HINT = (
     "Install DeepEP v2 -- the 2.1 line (deep_ep.ElasticBuffer, NCCL >= 2.30.4) or V2.5 (deep_ep.EPBuffer, NCCL >= "
     "2.32.3 and nvcc >= 13.1) -- built against the NCCL that PyTorch loads, on an SM90/SM100 GPU with nvcc at run "
-    "time for its JIT: `python -m megatron_deepepv2.install_deepep --deepep-src PATH` does it "
+    "time for its JIT: `python -m megatron_deepepv2.cli.install_deepep --deepep-src PATH` does it "
     "(see https://github.com/deepseek-ai/DeepEP). On single-node machines without an RDMA NIC also set "
     "EP_DISABLE_GIN=1. Or select the portable backend with MEGATRON_DEEPEPV2_BACKEND=reference. "
-    "`python -m megatron_deepepv2.doctor` checks every requirement."
+    "`python -m megatron_deepepv2.cli.doctor` checks every requirement."
 )
 
 
@@ -177,14 +188,14 @@ def deepep_unavailable_reason() -> Optional[str]:
 
 
 #: What deterministic mode uses of DeepEP's ``EPHandle``, with host sync (DeepEP's own sort) and without (the metadata
-#: :mod:`megatron_deepepv2.sync_free_order` reads; constructor arguments).
+#: :mod:`megatron_deepepv2.receive_order` reads; constructor arguments; the layout of each is checked there).
 HANDLE_ORDER_NEEDS = {True: ("deterministic_sort",),
                       False: ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank",
                               "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
                               "channel_linked_list")}
 
 
-def handle_order_problem(host_sync: bool) -> Optional[str]:
+def handle_order_unavailable_reason(host_sync: bool) -> Optional[str]:
     """Why the installed DeepEP's dispatch handle cannot order received rows deterministically, with or without
     ``host_sync``, or None when it can (also when ``deep_ep`` is missing: :func:`deepep_unavailable_reason` says so).
 

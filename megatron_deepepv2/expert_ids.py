@@ -1,15 +1,16 @@
 """The expert-id check of direct dispatches: every id in ``[-1, num_experts)``, no expert twice in a token's row.
 
-Three forms, one rule: :func:`check_expert_ids` reads the ids on the host (numpy for host tensors);
-:func:`check_expert_ids_with_flag` runs one Triton kernel that clears a 4-byte flag and reads the flag (a dispatch with
+Three forms, one rule, and :func:`routing_ids_problem` picks the form the settings ask for (``check_ids``,
+``validate``, ``host_sync``): :func:`expert_ids_problem` reads the ids on the host (numpy for host tensors);
+:func:`expert_ids_flag_problem` runs one Triton kernel that clears a 4-byte flag and reads the flag (a dispatch with
 host sync waits on the host anyway); :func:`assert_expert_ids_on_device` asserts on that flag on the device, reading
 nothing (without host sync; capturable in a CUDA graph). Megatron layers skip the check: their ids come from
-``torch.topk``. :mod:`megatron_deepepv2.ops` picks the form (the ``check_ids`` and ``validate`` settings).
+``torch.topk``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -18,8 +19,38 @@ import torch.distributed as dist
 from megatron_deepepv2.expert_kernels import tl, triton
 from megatron_deepepv2.failures import announce_failure
 
+if TYPE_CHECKING:
+    from megatron_deepepv2.config import DeepepV2Settings
 
-def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
+
+def routing_ids_problem(topk_idx: torch.Tensor, num_experts: int, settings: "DeepepV2Settings",
+                        group: dist.ProcessGroup) -> Optional[Exception]:
+    """The id check of one dispatch, in the form ``settings`` allow: with ``validate`` read on the host; else with
+    ``check_ids``: without host sync asserted on the device (nothing read), with host sync on a CUDA tensor through a
+    4-byte flag, on a host tensor directly.
+
+    Args:
+        topk_idx: ``[T, K]`` int64 global expert ids, checked static properties.
+        num_experts: Global number of experts.
+        settings: The dispatch's settings.
+        group: The dispatch's group (a device assert's error is announced to it off CUDA).
+
+    Returns:
+        A ``ValueError`` naming the first bad token, or None (also when the check is off, or asserted on the device).
+    """
+    if settings.validate:
+        return expert_ids_problem(topk_idx, num_experts)
+    if not settings.check_ids:
+        return None
+    if not settings.host_sync:  # nothing may read the device: a device-side assert
+        assert_expert_ids_on_device(topk_idx, num_experts, group)
+        return None
+    if topk_idx.is_cuda:  # the dispatch waits on the host anyway: one 4-byte read, a ValueError naming the token
+        return expert_ids_flag_problem(topk_idx, num_experts)
+    return expert_ids_problem(topk_idx, num_experts)
+
+
+def expert_ids_problem(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
     """Checks ``[T, K]`` int64 expert ids on the host (a device-to-host copy for device tensors): each in
     ``[-1, num_experts)``, no expert twice in one row. Returns a ``ValueError`` naming the first bad token, or None."""
     if topk_idx.numel() == 0:
@@ -40,7 +71,7 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> Optional[Excep
 
 def _host_ids_are_good(ids: np.ndarray, num_experts: int) -> bool:
     """Whether host ids ``[T, K]`` are all in ``[-1, num_experts)`` with no expert twice in a row: the fast path of
-    :func:`check_expert_ids`, in numpy over the tensor's memory (fewer, cheaper operations than torch's)."""
+    :func:`expert_ids_problem`, in numpy over the tensor's memory (fewer, cheaper operations than torch's)."""
     if ids.min() < -1 or ids.max() >= num_experts:
         return False
     if ids.shape[1] < 2:
@@ -72,7 +103,7 @@ _BAD_IDS_MESSAGE = ("deepepv2 dispatch: topk_idx holds an expert id outside [-1,
                     "and its ids.")
 #: Per CUDA device: the int32 flag of the device-side assert (never reset: a failed assert stops the process).
 _ok_flags: dict[torch.device, torch.Tensor] = {}
-#: Per CUDA device: the flag of :func:`check_expert_ids_with_flag`, read on the host (and reset after a failure).
+#: Per CUDA device: the flag of :func:`expert_ids_flag_problem`, read on the host (and reset after a failure).
 _host_read_flags: dict[torch.device, torch.Tensor] = {}
 
 
@@ -116,7 +147,7 @@ def clear_flag_on_bad_ids(topk_idx: torch.Tensor, num_experts: int, ok: torch.Te
         ok.mul_((~_any_bad_id(topk_idx, num_experts)).to(torch.int32))
 
 
-def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
+def expert_ids_flag_problem(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exception]:
     """The id check of a CUDA dispatch with host sync: :func:`clear_flag_on_bad_ids`, then one read of its 4-byte flag
     (the ids are copied to the host only when one is bad). Unlike a device assert, a bad id leaves the process usable.
 
@@ -130,7 +161,7 @@ def check_expert_ids_with_flag(topk_idx: torch.Tensor, num_experts: int) -> Opti
     if flag.item():  # waits for the queued work, as the dispatch's own host wait would moments later
         return None
     flag.fill_(1)
-    return check_expert_ids(topk_idx.cpu(), num_experts) or ValueError(_BAD_IDS_MESSAGE)
+    return expert_ids_problem(topk_idx.cpu(), num_experts) or ValueError(_BAD_IDS_MESSAGE)
 
 
 def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-from megatron_deepepv2 import expert_kernels, validation
+from megatron_deepepv2 import expert_kernels, megatron_config
 
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
@@ -218,7 +218,7 @@ class SyncFreeSequentialMLP(SequentialMLP):
     def __init__(self, num_local_experts: int, config: Any, submodules: Any, pg_collection=None, **kwargs) -> None:
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
         tp_group = getattr(self, "tp_group", None)
-        validation.check_sync_free_experts(self.config, tp_group.size() if tp_group is not None else 1)
+        megatron_config.check_sync_free_experts(self.config, tp_group.size() if tp_group is not None else 1)
         self.weight1 = _stack_expert_weights([expert.linear_fc1 for expert in self.local_experts])
         self.weight2 = _stack_expert_weights([expert.linear_fc2 for expert in self.local_experts])
         # Resolved once: the activation as the fused kernels compute it (None: PyTorch ops).

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import collective_device, group_size
+from megatron_deepepv2.groups import AgreedField, collective_device, group_size, state_of
 
 
 def all_reduce_max(values: Sequence[int], group: dist.ProcessGroup) -> list[int]:
@@ -54,25 +54,44 @@ def all_gather_ints(values: Sequence[int], group: dist.ProcessGroup) -> list[lis
 _FAILURE_PREFIX = "megatron_deepepv2/failure"
 _RENDEZVOUS_PREFIX = "megatron_deepepv2/rendezvous"
 _BUILD_REASON_PREFIX = "megatron_deepepv2/build"
-#: Per process group: how many dispatch / combine calls (forward or backward) this process has started on it. The ranks
-#: of a group make the same calls in the same order, so the count names a call the same way on every rank; a failure
-#: announcement carries it, and a peer reads only the announcements of the call it failed in (an earlier failure's are
-#: not its cause).
-_calls: dict[dist.ProcessGroup, int] = {}
-#: Per process group: the collective buffer builds this process has started on it (:func:`begin_build`), the same
-#: count on every rank while they build together. A peer's arrival at a build this rank has not started means that
-#: peer waits for it there (see :func:`pending_builds`).
-_builds: dict[dist.ProcessGroup, int] = {}
-#: Per process group: whether its collectives wait by polling (:func:`run_collective`): CPU (gloo) groups.
-_polled: dict[dist.ProcessGroup, bool] = {}
 #: How long a polling wait first blocks on the collective before it looks at the store, and the longest it blocks
 #: between two looks (the interval doubles): a collective that completes in time costs no store access at all.
 _FIRST_POLL_S, _LONGEST_POLL_S = 0.002, 0.05
+#: The first sleep of a rendezvous between two reads of the arrivals (doubling as a collective's slices do).
+_FIRST_RENDEZVOUS_S = 0.0005
 
 
 def count_call(group: dist.ProcessGroup) -> None:
-    """Counts a dispatch or combine call, forward or backward, on ``group`` (at its start; a dictionary update)."""
-    _calls[group] = _calls.get(group, 0) + 1
+    """Counts a dispatch or combine call, forward or backward, on ``group`` (at its start): the ranks of a group make
+    the same calls in the same order, so the count names a call alike on every rank; a failure announcement carries
+    it, and a peer reads only the announcements of the call it failed in (an earlier failure's are not its cause)."""
+    state_of(group).calls += 1
+
+
+class GroupCall:
+    """The context of one dispatch or combine call on a group, forward or backward: counts the call on entry, and
+    passes an error raised in the block through :func:`peer_failure` (the one attribution of failures).
+
+    Args:
+        group: The expert-parallel group of the call.
+        counted: The call was counted already (the block continues a call begun by another).
+    """
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup, counted: bool = False) -> None:
+        self.group = group
+        if not counted:
+            state_of(group).calls += 1
+
+    def __enter__(self) -> "GroupCall":
+        return self
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
+        if error is not None and isinstance(error, Exception):
+            attributed = peer_failure(error, self.group)
+            if attributed is not error:
+                raise attributed from error
 
 
 def _store() -> Optional[dist.Store]:
@@ -88,7 +107,7 @@ def _group_tag(group: dist.ProcessGroup) -> str:
 
 def _call_flag(group: dist.ProcessGroup) -> str:
     """The store key that exists once any rank of ``group`` announced a failure in the current call."""
-    return f"{_FAILURE_PREFIX}/{_group_tag(group)}/call-{_calls.get(group, 0)}"
+    return f"{_FAILURE_PREFIX}/{_group_tag(group)}/call-{state_of(group).calls}"
 
 
 class PeerFailure(RuntimeError):
@@ -150,7 +169,7 @@ def announce_failure(group: dist.ProcessGroup, error: BaseException, *, conseque
         return
     try:
         store.set(f"{_FAILURE_PREFIX}/{_group_tag(group)}/{dist.get_rank()}",
-                  f"{_calls.get(group, 0)}|{'consequence' if consequence else 'cause'}|{type(error).__name__}: {error}")
+                  f"{state_of(group).calls}|{'consequence' if consequence else 'cause'}|{type(error).__name__}: {error}")
         if interrupt:
             store.add(_call_flag(group), 1)
     except Exception:  # noqa: BLE001 - best effort: the error itself is raised by the caller
@@ -164,7 +183,7 @@ def _announcements(group: dist.ProcessGroup) -> tuple[dict[int, str], dict[int, 
     consequences: dict[int, str] = {}
     if store is None:
         return causes, consequences
-    tag, call = _group_tag(group), str(_calls.get(group, 0))
+    tag, call = _group_tag(group), str(state_of(group).calls)
     for rank in dist.get_process_group_ranks(group):
         key = f"{_FAILURE_PREFIX}/{tag}/{rank}"
         try:
@@ -202,12 +221,14 @@ def begin_build(group: dist.ProcessGroup, reason: str) -> str:
         group: The group building.
         reason: Why this rank builds, as a clause (e.g. "dispatches 20 tokens, more than the token limit 8").
     """
-    build = _builds[group] = _builds.get(group, 0) + 1
+    state = state_of(group)
+    state.builds += 1
+    build = state.builds
     store = _store()
     if store is not None:
         try:
             store.set(f"{_BUILD_REASON_PREFIX}/{_group_tag(group)}/{build}/{dist.get_rank()}",
-                      f"{_calls.get(group, 0)}|{reason}")
+                      f"{state_of(group).calls}|{reason}")
         except Exception:  # noqa: BLE001 - best effort: the rendezvous says whether the ranks came
             pass
     return f"build-{build}"
@@ -225,8 +246,8 @@ def pending_builds(group: dist.ProcessGroup) -> dict[int, str]:
     store = _store()
     if store is None:
         return {}
-    build = _builds.get(group, 0) + 1
-    call = str(_calls.get(group, 0))
+    build = state_of(group).builds + 1
+    call = str(state_of(group).calls)
     waiting = {}
     try:
         if not store.check([_rendezvous_key(group, f"build-{build}")]):
@@ -287,10 +308,11 @@ def peer_failure(error: BaseException, group: dist.ProcessGroup) -> BaseExceptio
 
 
 def _polls(group: dist.ProcessGroup) -> bool:
-    polled = _polled.get(group)
-    if polled is None:
-        polled = _polled[group] = collective_device(group).type == "cpu"
-    return polled
+    """Whether collectives over ``group`` wait by polling the store: CPU (gloo) groups (asked once per group)."""
+    state = state_of(group)
+    if state.polled is None:
+        state.polled = collective_device(group).type == "cpu"
+    return state.polled
 
 
 def run_collective(collective: Callable, *args, group: dist.ProcessGroup, exchange: bool = False, **kwargs) -> None:
@@ -320,25 +342,46 @@ def run_collective(collective: Callable, *args, group: dist.ProcessGroup, exchan
         collective(*args, group=group, **kwargs)
         return
     work = collective(*args, group=group, async_op=True, **kwargs)
+    _wait_watching_peers(group, lambda slice_s: _waited(work, slice_s), _FIRST_POLL_S,
+                         f"in {getattr(collective, '__name__', 'a collective')}; the expert-parallel group is unusable "
+                         "in this process (end the run)", with_builds=exchange)
+
+
+def _wait_watching_peers(group: dist.ProcessGroup, done: Callable[[float], bool], first_slice_s: float, where: str, *,
+                         with_builds: bool = False, deadline: Optional[float] = None) -> bool:
+    """The one polling wait of the package: asks ``done(slice_s)`` until it is True, the slice doubling from
+    ``first_slice_s`` to :data:`_LONGEST_POLL_S`; between two asks, reads the store for a peer's failure in the current
+    call and, ``with_builds``, for a peer waiting at a build this rank did not start.
+
+    Args:
+        group: The process group waited on.
+        done: Waits at most the given seconds; returns whether the awaited thing happened.
+        first_slice_s: The first slice, in seconds.
+        where: Where this rank waited, for the error (after "stopped waiting for them ").
+        with_builds: Also stop for a peer at a build (:func:`pending_builds`).
+        deadline: A ``time.monotonic()`` after which the wait gives up; None: no limit.
+
+    Returns:
+        True once ``done``; False when ``deadline`` passed first.
+
+    Raises:
+        PeerFailure: A peer failed in this call, or waits at a build (``with_builds``).
+    """
     store = _store()
-    timeout_s = _FIRST_POLL_S
-    while True:
-        if _waited(work, timeout_s):
-            return
-        timeout_s = min(2 * timeout_s, _LONGEST_POLL_S)
-        if store is None:
-            continue
-        try:
-            failed = store.check([_call_flag(group)])
-            waiting = exchange and not failed and pending_builds(group)
-        except Exception:  # noqa: BLE001 - the store's host is gone: its process exits, which fails the collective
-            store = None
-            continue
-        if failed or waiting:
-            name = getattr(collective, "__name__", "a collective")
-            raise peer_failure(RuntimeError(
-                f"stopped waiting for them in {name}; the expert-parallel group is unusable in this process (end the "
-                "run)"), group)
+    slice_s = first_slice_s
+    while not done(slice_s):
+        slice_s = min(2 * slice_s, _LONGEST_POLL_S)
+        if store is not None:
+            try:
+                failed = store.check([_call_flag(group)])
+                waiting = with_builds and not failed and pending_builds(group)
+            except Exception:  # noqa: BLE001 - the store's host is gone: its process exits, which fails the wait
+                store, failed, waiting = None, False, False
+            if failed or waiting:
+                raise peer_failure(RuntimeError(f"stopped waiting for them {where}"), group)
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+    return True
 
 
 def _waited(work: dist.Work, timeout_s: float) -> bool:
@@ -370,17 +413,91 @@ def rendezvous(group: dist.ProcessGroup, name: str, timeout_s: float) -> bool:
     store = _store()
     if store is None:
         return True
-    key = _rendezvous_key(group, name)
-    size = group_size(group)
+    key, size = _rendezvous_key(group, name), group_size(group)
     arrived = store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    delay = 0.0005
-    while arrived < size:
-        if store.check([_call_flag(group)]):
-            raise peer_failure(RuntimeError(f"stopped waiting for them at the rendezvous '{name}'"), group)
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-        arrived = store.add(key, 0)
-    return True
+
+    def everyone_arrived(slice_s: float) -> bool:
+        nonlocal arrived
+        if arrived < size:
+            time.sleep(slice_s)
+            arrived = store.add(key, 0)
+        return arrived >= size
+
+    return arrived >= size or _wait_watching_peers(group, everyone_arrived, _FIRST_RENDEZVOUS_S,
+                                                   f"at the rendezvous '{name}'", deadline=time.monotonic() + timeout_s)
+
+
+def raise_on_every_rank(problem: Optional[Exception], group: dist.ProcessGroup, *, agree: bool, num_tokens: int = 0,
+                        fields: Sequence[AgreedField] = (), values: Sequence[int] = (),
+                        purpose: str = "dispatch inputs") -> int:
+    """Raises ``problem``; with ``agree``, first makes every rank of ``group`` raise together.
+
+    With ``agree`` this is collective: one small all-reduce (error flags, token count, range of each agreed value),
+    plus an all-gather only when values differ. Without it, ``problem`` is announced to the peers, then raised.
+
+    Args:
+        problem: This rank's problem, or None.
+        group: The process group of the call.
+        agree: Share the outcome over ``group``.
+        num_tokens: This rank's token count (maximised over the group).
+        fields: What every rank must share (a table such as
+            :data:`~megatron_deepepv2.backends.base.BUILD_AGREEMENT`), the same on every rank.
+        values: This rank's value of each of ``fields``, as :meth:`AgreedField.encode` gives them (ignored on a rank
+            with a problem, which sends zeros).
+        purpose: What the values are of, for the message ("dispatch inputs", "buffer builds").
+
+    Returns:
+        The largest token count over the group (``num_tokens`` itself without ``agree``).
+
+    Raises:
+        TypeError, ValueError: ``problem``; with ``agree``, on the other ranks a ValueError naming each rank that had
+            one and its error, or each rank's differing values; each marked by :func:`agreed`.
+    """
+    if not agree:
+        if problem is not None:
+            announce_failure(group, problem)  # for the peers, whose next collective fails without this rank
+            raise problem
+        return num_tokens
+    world, rank = group_size(group), dist.get_rank(group)
+    flags = [0] * world
+    flags[rank] = int(problem is not None)
+    values = [0] * len(fields) if problem is not None else list(values)
+    if problem is not None:  # before the all-reduce, so that every peer can read it once the flags arrive
+        announce_failure(group, problem, interrupt=False)
+    outcome = all_reduce_max(flags + [num_tokens] + values + [-value for value in values], group)
+    if problem is not None:
+        raise agreed(problem)
+    if any(outcome[:world]):
+        raise agreed(_rejected_by_peers([r for r in range(world) if outcome[r]], group))
+    count = len(values)
+    highs, lows = outcome[world + 1:world + 1 + count], [-v for v in outcome[world + 1 + count:]]
+    if highs != lows:
+        raise agreed(_differing_values(fields, values, highs, lows, group, purpose))
+    return outcome[world]
+
+
+def _rejected_by_peers(failed_group_ranks: list[int], group: dist.ProcessGroup) -> ValueError:
+    """The error of a rank whose inputs were valid, for the peers (group ranks ``failed_group_ranks``) whose were not."""
+    ranks = dist.get_process_group_ranks(group)
+    failed = [ranks[r] for r in failed_group_ranks]
+    errors = announced_failures(group)
+    said = "; ".join(f"rank {r}: {errors[r]}" for r in failed if r in errors)
+    unsaid = [r for r in failed if r not in errors]
+    if unsaid:  # the store could not be read: the errors are only on those ranks
+        said += f"{'; ' if said else ''}rank(s) {unsaid}: their error is raised there"
+    return ValueError(f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine inputs "
+                      f"({said}); this rank's inputs were valid but it stops too instead of waiting.")
+
+
+def _differing_values(fields: Sequence[AgreedField], values: list[int], highs: list[int], lows: list[int],
+                      group: dist.ProcessGroup, purpose: str) -> ValueError:
+    """The error of ranks whose agreed values differ: each rank's differing values, gathered (one all-gather)."""
+    differing = [i for i, (high, low) in enumerate(zip(highs, lows)) if high != low]
+    ranks = dist.get_process_group_ranks(group)
+    every = all_gather_ints(values, group)
+    described = "; ".join(f"rank {ranks[r]}: " + ", ".join(f"{fields[i].name} {fields[i].words(every[r][i])}"
+                                                          for i in differing) for r in range(len(ranks)))
+    return ValueError(
+        f"The ranks of the expert-parallel group have {purpose} whose {', '.join(fields[i].name for i in differing)} "
+        f"differ ({described}). Every rank must have the same {', '.join(field.name for field in fields)}: they fix "
+        "the layout of the exchange. Give every rank the same model configuration and settings.")

@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 
 from packaging.version import Version
 
-from megatron_deepepv2.validation import check_megatron_config, check_settings
+from megatron_deepepv2.megatron_config import check_megatron_config
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def validate_config(config: Any) -> None:
 
     Raises:
         ValueError: For a combination deepepv2 does not support
-            (:func:`megatron_deepepv2.validation.check_megatron_config`).
+            (:func:`megatron_deepepv2.megatron_config.check_megatron_config`).
     """
     if getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME:
         check_megatron_config(config)
@@ -316,7 +316,6 @@ def _patch_moe_layer_expert_check() -> None:
 
         config = kwargs["config"] if "config" in kwargs else args[0]
         deepepv2 = is_deepepv2(config)
-        check_settings(get_settings())  # the settings may have changed since install()
         if get_settings().experts == "sync_free":  # every dispatcher: comparisons hold the experts equal
             if kwargs.get("submodules") is not None:
                 kwargs["submodules"] = sync_free_submodules(kwargs["submodules"])
@@ -540,7 +539,7 @@ def install() -> InstallReport:
     Raises:
         RuntimeError: If the installed megatron-core is older than 0.17, or ``MEGATRON_DEEPEPV2_MANAGER=native``
             asks for a deepepv2 it does not ship.
-        ValueError: If a setting holds a value it cannot take (:func:`megatron_deepepv2.validation.check_settings`).
+        ValueError: If a ``MEGATRON_DEEPEPV2_*`` variable holds a value its setting cannot take.
     """
     global _report
     with _install_lock:
@@ -561,8 +560,7 @@ def install() -> InstallReport:
             )
         from megatron_deepepv2.config import get_settings  # noqa: PLC0415
 
-        check_settings(get_settings())
-        manager = get_settings().manager
+        manager = get_settings().manager  # reading the settings checks them
         report = InstallReport(megatron_version=str(version), native_available=supports_deepepv2_natively(),
                                manager=manager)
         if legacy_deepep:  # a change to deep_ep, not to Megatron: made whichever manager deepepv2 layers get

@@ -1,6 +1,7 @@
 """The receive layouts of a dispatch and the row arithmetic every module shares (a leaf: it imports no package module).
 
 * :class:`ExpertLayout` -- DeepEP v2's two receive layouts, ``compact`` and ``expand``;
+* :data:`HiddenStates` and :func:`split_hidden` -- a dispatch's rows, or an FP8 pair, and the one test of which;
 * :func:`align_up` -- the one align-up of the package;
 * :func:`worst_case_recv_rows` -- the rows a dispatch without host sync allocates;
 * :func:`receive_bound_rows` -- the rows a receive bound (``moe_expert_rank_capacity_factor``) lets the experts keep;
@@ -10,12 +11,25 @@
 from __future__ import annotations
 
 import enum
-from typing import TypeVar, Union
+from typing import Optional, TypeVar, Union
 
 import torch
 
 #: Hidden states handed to dispatch: a BF16/FP32 tensor ``[T, H]`` or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
 HiddenStates = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def split_hidden(x: HiddenStates) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Returns ``(rows, scales)`` of hidden states: an FP8 pair's two tensors, or a tensor and None (the one test of
+    an FP8 pair: a tuple).
+
+    Raises:
+        ValueError: For a tuple that is not a pair.
+    """
+    if isinstance(x, tuple):
+        rows, scales = x
+        return rows, scales
+    return x, None
 
 
 class ExpertLayout(str, enum.Enum):

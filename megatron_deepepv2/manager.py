@@ -10,34 +10,21 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from megatron_deepepv2 import bounded_receive, ops, validation
-from megatron_deepepv2.backends import SYNC, DispatchConfig, DispatchHandle, ExpertLayout, resolve_config
+from megatron_deepepv2 import bounded_receive, megatron_config, ops
+from megatron_deepepv2.backends.base import SYNC, DispatchConfig, DispatchHandle
 from megatron_deepepv2.config import get_settings
-from megatron_deepepv2.layout import receive_bound_rows
+from megatron_deepepv2.layout import ExpertLayout, receive_bound_rows
 
 logger = logging.getLogger(__name__)
 _warned_low_precision_probs = False
 
 
-def alignment_for(config: Any) -> int:
-    """Row alignment the experts of Megatron ``config`` need (grouped GEMM, quantization); at least 1."""
-    return max(int(moe_utils.get_align_size_for_quantization(config)), 1)
-
-
-def configured_num_sms(config: Any) -> int:
-    """Megatron's SM count for the dispatcher kernels: ``config.moe_flex_dispatcher_num_sms`` where it exists (None =
-    unset), else ``config.moe_deepep_num_sms`` (its default, 20, counts as set); 0 when unset."""
-    if hasattr(config, "moe_flex_dispatcher_num_sms"):
-        return int(config.moe_flex_dispatcher_num_sms or 0)
-    return int(getattr(config, "moe_deepep_num_sms", 0) or 0)
-
-
 def dispatch_config_for(config: Any) -> DispatchConfig:
     """The dispatch configuration of Megatron ``config``, resolved once and cached on it (layers of one config share
-    it): expand layout, zero padding, :func:`alignment_for`, :func:`configured_num_sms` (else the setting),
+    it): expand layout (padding rows zero), :func:`~megatron_deepepv2.megatron_config.alignment_for`,
+    :func:`~megatron_deepepv2.megatron_config.configured_num_sms` (else the setting),
     deterministic with the setting or ``config.deterministic_mode``; no id check, weight masking or tail clearing.
 
     Raises:
@@ -49,13 +36,13 @@ def dispatch_config_for(config: Any) -> DispatchConfig:
     if resolved is not None:
         return resolved
     settings = get_settings()
-    resolved = resolve_config(
-        layout=ExpertLayout.EXPAND, expert_alignment=alignment_for(config), zero_padding=True,
-        num_sms=configured_num_sms(config) or settings.num_sms,
+    resolved = ops.resolve_config(
+        layout=ExpertLayout.EXPAND, expert_alignment=megatron_config.alignment_for(config),
+        num_sms=megatron_config.configured_num_sms(config) or settings.num_sms,
         deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
         check_ids=False, mask_foreign_weights=False, clear_tail=False)
     if resolved.settings.fp8_dispatch:
-        validation.check_fp8_model(config)
+        megatron_config.check_fp8_model(config)
     object.__setattr__(config, "_deepepv2_dispatch_config", resolved)
     return resolved
 

@@ -1,11 +1,12 @@
-"""Differentiable dispatch and combine: the bound :class:`Dispatcher` and one autograd Function per op (dispatch's
-backward is a combine of the gradient, combine's a cached dispatch), which the Megatron manager and :func:`dispatch` /
-:func:`combine` call. Every path that communicates passes its errors through
-:func:`~megatron_deepepv2.failures.peer_failure`, so a peer raises naming the rank that failed first.
+"""Differentiable dispatch and combine: :func:`resolve_config` (a dispatch configuration from the settings), the
+bound :class:`Dispatcher`, and one autograd Function per op (dispatch's backward is a combine of the gradient,
+combine's a cached dispatch), which the Megatron manager and :func:`dispatch` / :func:`combine` call. Every call runs
+in a :class:`~megatron_deepepv2.failures.GroupCall`, so a peer raises naming the rank that failed first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -13,105 +14,82 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2 import buffers, expert_ids, expert_kernels, fp8, validation
-from megatron_deepepv2._dist import group_size
-from megatron_deepepv2.backends import (
-    SYNC,
-    BufferSpec,
-    DispatchBackend,
-    DispatchConfig,
-    DispatchHandle,
-    DispatchResult,
-    ExpertLayout,
-    HiddenStates,
-    Streams,
-    resolve_config,
-)
+from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, DispatchConfig, DispatchHandle,
+                                             DispatchResult, Streams)
+from megatron_deepepv2.backends.registry import resolve_backend
 from megatron_deepepv2.config import DeepepV2Settings, get_settings
-from megatron_deepepv2.failures import count_call, peer_failure
-from megatron_deepepv2.layout import rows_past_valid
+from megatron_deepepv2.failures import GroupCall, count_call, raise_on_every_rank
+from megatron_deepepv2.groups import state_of
+from megatron_deepepv2.layout import ExpertLayout, HiddenStates, rows_past_valid, split_hidden
 
-#: The dispatchers bound so far, per (configuration, group, experts).
-_dispatchers: dict[tuple, "Dispatcher"] = {}
+#: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` a caller sets beside the settings.
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(DispatchConfig)) - {"settings"}
+_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(DeepepV2Settings))
+#: Arguments that are gone, and why.
+_REMOVED_ARGUMENTS = {"zero_padding": "the expand layout's padding rows are always zero; drop it"}
+
+
+def resolve_config(**overrides: Any) -> DispatchConfig:
+    """Resolves a dispatch configuration: ``overrides`` over the process-wide settings (checked as it is built).
+
+    Args:
+        **overrides: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` (``backend`` and ``layout``
+            may be names) and of :class:`~megatron_deepepv2.config.DeepepV2Settings`; None leaves a field unset.
+
+    Returns:
+        The configuration.
+
+    Raises:
+        TypeError: For a name that is neither.
+        ValueError: For an unknown backend or layout, or a value the settings or the configuration reject.
+        ImportError: An explicitly named backend cannot run here.
+    """
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    unknown = sorted(set(overrides) - _CONFIG_FIELDS - _SETTING_FIELDS)
+    if unknown:
+        removed = "".join(f" {name}: {_REMOVED_ARGUMENTS[name]}." for name in unknown if name in _REMOVED_ARGUMENTS)
+        raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_CONFIG_FIELDS | _SETTING_FIELDS)}."
+                        + removed)
+    # ``backend`` is both: the setting names the backend, the configuration holds the class that runs.
+    changes = {name: overrides.pop(name) for name in list(overrides) if name in _SETTING_FIELDS and name != "backend"}
+    settings = dataclasses.replace(get_settings(), **changes) if changes else get_settings()
+    backend = overrides.pop("backend", settings.backend)
+    layout = ExpertLayout.parse(overrides.pop("layout", ExpertLayout.COMPACT))
+    return DispatchConfig(backend if isinstance(backend, type) else resolve_backend(backend), settings, layout,
+                          **overrides)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(arguments: frozenset, settings: DeepepV2Settings) -> DispatchConfig:
+    return resolve_config(**dict(arguments))
+
+
+def _config_for(arguments: dict[str, Any]) -> DispatchConfig:
+    """:func:`resolve_config` of a dispatch() call's ``arguments``, once per arguments and process-wide settings."""
+    try:
+        return _resolved(frozenset(arguments.items()), get_settings())
+    except TypeError:  # an unhashable value (or an unknown name): resolve uncached, which says what is wrong
+        return resolve_config(**arguments)
 
 
 def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> "Dispatcher":
-    """The :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use; raises a
-    ValueError if ``num_experts`` is not a positive multiple of the group size."""
-    key = (config, group, num_experts)
-    dispatcher = _dispatchers.get(key)
+    """Returns the :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
+
+    Raises:
+        ValueError: If ``num_experts`` is not a positive multiple of the group size.
+    """
+    dispatchers = state_of(group).dispatchers
+    dispatcher = dispatchers.get((config, num_experts))
     if dispatcher is None:
-        dispatcher = _dispatchers[key] = Dispatcher(config, group, num_experts)
+        dispatcher = dispatchers[config, num_experts] = Dispatcher(config, group, num_experts)
     return dispatcher
-
-
-class Dispatcher:
-    """The dispatches of ``config`` on the expert-parallel ``group`` for ``num_experts`` global experts: the input
-    signature whose checks passed and the buffer spec it leases with (see :func:`bind`)."""
-
-    __slots__ = ("config", "group", "num_experts", "_signature", "_spec", "_specs")
-
-    def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
-        validation.check_dispatch_config(config)  # once per binding: also a configuration built directly
-        validation.check_binding(num_experts, group_size(group))
-        self.config = config
-        self.group = group
-        self.num_experts = num_experts
-        #: The input signature whose checks passed last, its buffer spec, and every passed signature's spec.
-        self._signature: Any = None
-        self._spec: Optional[BufferSpec] = None
-        self._specs: dict[tuple, BufferSpec] = {}
-
-    def prepare(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> DispatchBackend:
-        """Counts the call, checks what was not checked before and returns the buffer to dispatch on. Raises
-        TypeError or ValueError for bad input before any communication (with ``validate`` on every rank, else here
-        and a PeerFailure on the peers), RuntimeError for host sync in CUDA-graph capture, PeerFailure for a peer's."""
-        config, group, settings = self.config, self.group, self.config.settings
-        count_call(group)
-        signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
-        limit = settings.num_max_tokens_per_rank
-        problem = None
-        checked = signature is not None and signature == self._signature
-        if not checked and signature is not None and signature in self._specs:  # another one that passed before
-            self._signature, self._spec, checked = signature, self._specs[signature], True
-        # The static checks depend on T only through integer compares, made here and in _static_signature.
-        if not checked or settings.validate or (limit is not None and num_tokens > limit):
-            problem = validation.check_dispatch_inputs(
-                x, topk_idx, topk_weights, limits=config.backend.limits, fp8_dispatch=settings.fp8_dispatch,
-                num_max_tokens_per_rank=limit, num_experts=self.num_experts, check_values=settings.validate)
-            if problem is None and not checked:
-                self._signature, self._spec = signature, None
-        on_cuda = problem is None and topk_idx.is_cuda
-        if settings.host_sync and on_cuda and torch.cuda.is_current_stream_capturing():
-            raise validation.host_sync_capture_problem()
-        if problem is None and settings.check_ids and not settings.validate:
-            if not settings.host_sync:  # nothing may read the device: a device-side assert
-                expert_ids.assert_expert_ids_on_device(topk_idx, self.num_experts, group)
-            elif on_cuda:  # the dispatch waits on the host anyway: one 4-byte read, a ValueError naming the token
-                problem = expert_ids.check_expert_ids_with_flag(topk_idx, self.num_experts)
-            else:
-                problem = expert_ids.check_expert_ids(topk_idx, self.num_experts)
-        data = x[0] if type(x) is tuple else x
-        if settings.validate:  # every rank sends the same fields; one with a problem sends zeros
-            alike = (validation.dtype_code(data.dtype), data.shape[1], topk_idx.shape[1],
-                     int(type(x) is tuple or settings.fp8_dispatch)) if problem is None else (0, 0, 0, 0)
-            num_tokens = validation.raise_on_every_rank(problem, group, agree=True, num_tokens=num_tokens,
-                                                        alike=dict(zip(validation.DISPATCH_ALIKE, alike)))
-        elif problem is not None:
-            validation.raise_on_every_rank(problem, group, agree=False)
-        if self._spec is None:
-            fp8 = type(x) is tuple or settings.fp8_dispatch
-            self._spec = self._specs[signature] = BufferSpec(data.shape[1], topk_idx.shape[1], 0, settings, fp8=fp8)
-        try:
-            return buffers.get_buffer(config.backend, group, self._spec, num_tokens)
-        except Exception as error:
-            raise peer_failure(error, group) from error
 
 
 def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optional[tuple], int]:
     """What the static checks of a dispatch depend on but its token count ``T`` (types, dtypes, devices, trailing
     shapes), and ``T``; None when the inputs are not tensors or their row counts differ (the checks then say why)."""
     try:
-        data, scales = x if type(x) is tuple else (x, None)  # a tuple of another length raises: no signature
+        data, scales = split_hidden(x)
         num_tokens = data.shape[0]
         if (topk_idx.shape[0] != num_tokens or (scales is not None and scales.shape[0] != num_tokens)
                 or (topk_weights is not None and topk_weights.shape[0] != num_tokens)):
@@ -125,40 +103,145 @@ def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optiona
         return None, 0
 
 
+class Dispatcher:
+    """The dispatches of ``config`` on the expert-parallel ``group`` for ``num_experts`` global experts (see
+    :func:`bind`): the last input signature whose checks passed and the buffer spec it leases with.
+
+    The inputs whose static checks passed are remembered in the group's ``checked_inputs`` (one memo for dispatch and
+    combine), by signature: a repeated signature is not checked again unless ``validate`` or the token limit asks.
+
+    Args:
+        config: The dispatches' configuration (checked when it was built).
+        group: The expert-parallel process group.
+        num_experts: Global number of experts.
+
+    Raises:
+        ValueError: If ``num_experts`` is not a positive multiple of the group size.
+    """
+
+    __slots__ = ("config", "group", "num_experts", "_checked", "_signature", "_spec")
+
+    def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
+        state = state_of(group)
+        validation.check_binding(num_experts, state.size)
+        self.config, self.group, self.num_experts = config, group, num_experts
+        self._checked = state.checked_inputs
+        self._signature: Any = None
+        self._spec: Optional[BufferSpec] = None
+
+    def prepare(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> DispatchBackend:
+        """Checks what was not checked before and returns the buffer to dispatch on (run in the call's
+        :class:`~megatron_deepepv2.failures.GroupCall`).
+
+        Args:
+            x: ``[T, H]`` hidden states, or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
+            topk_idx: ``[T, K]`` int64 global expert ids, -1 = no selection.
+            topk_weights: ``[T, K]`` fp32 weights, or None.
+
+        Returns:
+            The buffer with room for this call's tokens (built or grown collectively when needed).
+
+        Raises:
+            TypeError, ValueError: Bad input, before any communication (with ``validate`` on every rank, else here and
+                a PeerFailure on the peers).
+            RuntimeError: A dispatch with host sync in CUDA-graph capture.
+        """
+        settings = self.config.settings
+        signature, num_tokens = _static_signature(x, topk_idx, topk_weights)
+        spec = self._spec if signature is not None and signature == self._signature else None
+        if spec is None and signature is not None:  # another signature that passed before
+            spec = self._checked.get((self.config, signature))
+        limit = settings.num_max_tokens_per_rank
+        problem = None
+        # The static checks depend on T only through integer compares, made here and in _static_signature.
+        if spec is None or settings.validate or (limit is not None and num_tokens > limit):
+            problem = validation.dispatch_inputs_problem(x, topk_idx, topk_weights, limits=self.config.backend.limits,
+                                                         fp8_dispatch=settings.fp8_dispatch,
+                                                         num_max_tokens_per_rank=limit)
+        if problem is None:
+            if settings.host_sync and topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise validation.host_sync_capture_error()
+            problem = expert_ids.routing_ids_problem(topk_idx, self.num_experts, settings, self.group)
+        num_tokens = self._raise_or_agree(problem, x, topk_idx, num_tokens)
+        if spec is None:
+            data, scales = split_hidden(x)
+            spec = self._checked[self.config, signature] = BufferSpec(
+                data.shape[1], topk_idx.shape[1], 0, settings, fp8=scales is not None or settings.fp8_dispatch)
+        self._signature, self._spec = signature, spec
+        return buffers.get_buffer(self.config.backend, self.group, spec, num_tokens)
+
+    def _raise_or_agree(self, problem: Optional[Exception], x: HiddenStates, topk_idx: torch.Tensor,
+                        num_tokens: int) -> int:
+        """Raises ``problem`` (announced to the peers); with ``validate``, agrees over the group first on errors, the
+        largest token count and :data:`~megatron_deepepv2.validation.DISPATCH_AGREEMENT`. Returns the token count the
+        buffer must hold: the group's largest with ``validate``, else this rank's."""
+        settings = self.config.settings
+        if not settings.validate:
+            if problem is not None:
+                raise_on_every_rank(problem, self.group, agree=False)
+            return num_tokens
+        values = ()
+        if problem is None:  # a rank with a problem sends zeros
+            data, scales = split_hidden(x)
+            facts = (data.dtype, data.shape[1], topk_idx.shape[1], scales is not None or settings.fp8_dispatch,
+                     settings.num_sms)
+            values = [agreed.encode(facts) for agreed in validation.DISPATCH_AGREEMENT]
+        return raise_on_every_rank(problem, self.group, agree=True, num_tokens=num_tokens,
+                                   fields=validation.DISPATCH_AGREEMENT, values=values)
+
+
+def _received(recv_x: HiddenStates, handle: DispatchHandle, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    """A dispatch's received rows as the caller gets them: ``(rows [N, H], scales [N, S] | None)``; with FP8 dispatch
+    the rows dequantised to ``dtype`` (the valid ones only, without host sync)."""
+    rows, scales = split_hidden(recv_x)
+    if handle.config.settings.fp8_dispatch:
+        valid = None if handle.config.host_sync else handle.num_valid_rows
+        return fp8.dequantize_e4m3_1x128(rows, scales, dtype=dtype, num_valid_rows=valid), None
+    return rows, scales
+
+
+def _masked_routing(handle: DispatchHandle, recv_idx: Optional[torch.Tensor],
+                    recv_weights: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The received ids and weights with what the configuration asks masked: without host sync (``clear_tail``) id -1
+    and weight 0 past the valid rows; compact (``mask_foreign_weights``) weight 0 for other ranks' experts."""
+    config = handle.config
+    if config.clear_tail and not config.host_sync and (recv_idx is not None or recv_weights is not None):
+        past = rows_past_valid(handle.num_recv_rows, handle.num_valid_rows)
+        if recv_idx is not None:
+            recv_idx = recv_idx.masked_fill(past.unsqueeze(1), -1)
+        if recv_weights is not None:
+            recv_weights = recv_weights.masked_fill(past if recv_weights.dim() == 1 else past.unsqueeze(1), 0.0)
+    if config.mask_foreign_weights and recv_weights is not None and recv_idx is not None:
+        recv_weights = recv_weights.masked_fill(recv_idx < 0, 0.0)
+    return recv_idx, recv_weights
+
+
 class DispatchFunction(torch.autograd.Function):
-    """``apply(x [T, H], topk_weights [T, K] fp32 | None, dispatcher, topk_idx [T, K] int64, scales [T, S] | None,
-    streams)`` -> ``(recv_x, recv_topk_weights, recv_scales, recv_topk_idx, handle)`` as in
-    :class:`~megatron_deepepv2.backends.base.DispatchResult` (``scales``: of an FP8 pair, passed through, then not
-    differentiable). Differentiable in ``x`` and ``topk_weights``; with ``fp8_dispatch`` the backward is BF16."""
+    """``apply(x, topk_weights, dispatcher, topk_idx, scales, streams)`` -> ``(recv_x, recv_topk_weights,
+    recv_scales, recv_topk_idx, handle)``.
+
+    Inputs: ``x`` ``[T, H]``; ``topk_weights`` ``[T, K]`` fp32 or None; ``dispatcher`` a :class:`Dispatcher`;
+    ``topk_idx`` ``[T, K]`` int64; ``scales`` ``[T, S]`` of an FP8 pair ``(x, scales)`` or None; ``streams`` a
+    :class:`~megatron_deepepv2.backends.base.Streams`. Outputs as in
+    :class:`~megatron_deepepv2.backends.base.DispatchResult`, ``recv_scales`` ``[N, S]`` for an FP8 pair (its rows and
+    scales then not differentiable). Differentiable in ``x`` and ``topk_weights``; with ``fp8_dispatch`` the backward
+    is BF16. Raises as :meth:`Dispatcher.prepare`, and a PeerFailure for a peer's failure.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor],  # type: ignore[override]
                 dispatcher: Dispatcher, topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
-        buffer = dispatcher.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
         config = dispatcher.config
-        host_sync, fp8_dispatch = config.settings.host_sync, config.settings.fp8_dispatch
-        try:
-            data = fp8.quantize_e4m3_1x128(x) if fp8_dispatch else x if scales is None else (x, scales)
+        with GroupCall(dispatcher.group):
+            buffer = dispatcher.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
+            data = fp8.quantize_e4m3_1x128(x) if config.settings.fp8_dispatch else x if scales is None else (x, scales)
             recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, config,
                                                                      dispatcher.num_experts, streams)
             buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
-            recv_scales = None
-            if fp8_dispatch:
-                recv_x = fp8.dequantize_e4m3_1x128(*recv_x, dtype=x.dtype,
-                                                   num_valid_rows=None if host_sync else handle.num_valid_rows)
-            elif scales is not None:
-                recv_x, recv_scales = recv_x
+            recv_x, recv_scales = _received(recv_x, handle, x.dtype)
+            if recv_scales is not None:
                 ctx.mark_non_differentiable(recv_x, recv_scales)
-            if config.clear_tail and not host_sync and (recv_idx is not None or recv_weights is not None):
-                past = rows_past_valid(handle.num_recv_rows, handle.num_valid_rows)
-                if recv_idx is not None:
-                    recv_idx = recv_idx.masked_fill(past.unsqueeze(1), -1)
-                if recv_weights is not None:
-                    recv_weights = recv_weights.masked_fill(past if recv_weights.dim() == 1 else past.unsqueeze(1), 0.0)
-            if config.mask_foreign_weights and recv_weights is not None and recv_idx is not None:
-                recv_weights = recv_weights.masked_fill(recv_idx < 0, 0.0)
-        except Exception as error:
-            raise peer_failure(error, dispatcher.group) from error
+            recv_idx, recv_weights = _masked_routing(handle, recv_idx, recv_weights)
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
         ctx.handle, ctx.streams, ctx.hidden = handle, streams, x.shape[1]
         return recv_x, recv_weights, recv_scales, recv_idx, handle
@@ -166,9 +249,8 @@ class DispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_recv_x: Optional[torch.Tensor], grad_recv_weights: Optional[torch.Tensor], *_):
         handle: DispatchHandle = ctx.handle
-        group = handle.buffer.group
-        count_call(group)  # failures of this backward are scoped to it, as a forward call's are
-        try:  # the whole body: an error before the combine would leave the peers waiting in it
+        # The whole body: an error before the combine would leave the peers waiting in it.
+        with GroupCall(handle.buffer.group):
             rows = handle.num_recv_rows
             if grad_recv_x is None:  # only the weights want a gradient: its device is theirs
                 grad_recv_x = torch.zeros((rows, ctx.hidden), dtype=torch.bfloat16, device=grad_recv_weights.device)
@@ -181,46 +263,37 @@ class DispatchFunction(torch.autograd.Function):
                 grad_weights = grad_recv_weights.float().contiguous()
             grad_x, grad_topk_weights = handle.buffer.combine(grad_recv_x.contiguous(), handle, grad_weights,
                                                               ctx.streams)
-        except Exception as error:
-            raise peer_failure(error, group) from error
         return grad_x, grad_topk_weights, None, None, None, None
 
 
-#: Combine inputs whose static checks passed: (configuration, hidden, dtype, device).
-_combine_checked: set[tuple] = set()
-
-
 class CombineFunction(torch.autograd.Function):
-    """``apply(x, handle, streams)`` -> ``[T, H]``: the rows ``x`` (in the receive layout of ``handle``) summed back
-    on the tokens' source ranks, in ``x``'s dtype; differentiable in ``x``."""
+    """``apply(x, handle, streams)`` -> ``[T, H]``: the rows ``x`` (``[handle.num_recv_rows, H]``, in the receive
+    layout of ``handle``) summed back on the tokens' source ranks, in ``x``'s dtype; differentiable in ``x``. Raises
+    TypeError or ValueError for an ``x`` that does not fit ``handle`` (with ``validate`` on every rank), and a
+    PeerFailure for a peer's failure."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: Streams):  # type: ignore[override]
         if type(handle) is not DispatchHandle:
-            raise validation.not_a_handle(handle)
+            raise validation.not_a_handle_error(handle)
         group, validate = handle.buffer.group, handle.config.settings.validate
-        count_call(group)
-        key = (handle.config, x.shape[1], x.dtype, x.device) if type(x) is torch.Tensor and x.dim() == 2 else None
-        if key is None or key not in _combine_checked or x.shape[0] != handle.num_recv_rows or validate:
-            problem = validation.check_combine_inputs(x, handle, None)
-            if problem is not None or validate:
-                validation.raise_on_every_rank(problem, group, agree=validate)
-            _combine_checked.add(key)
-        ctx.handle, ctx.streams = handle, streams
-        try:
+        with GroupCall(group):
+            checked = state_of(group).checked_inputs
+            key = (handle.config, x.shape[1], x.dtype, x.device) if type(x) is torch.Tensor and x.dim() == 2 else None
+            if key is None or key not in checked or x.shape[0] != handle.num_recv_rows or validate:
+                problem = validation.combine_inputs_problem(x, handle, None)
+                if problem is not None or validate:
+                    raise_on_every_rank(problem, group, agree=validate)
+                if key is not None:
+                    checked[key] = True
+            ctx.handle, ctx.streams = handle, streams
             return handle.buffer.combine(x.contiguous(), handle, None, streams).x
-        except Exception as error:
-            raise peer_failure(error, group) from error
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
-        group = handle.buffer.group
-        count_call(group)
-        try:
+        with GroupCall(handle.buffer.group):
             grad = handle.buffer.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
-        except Exception as error:
-            raise peer_failure(error, group) from error
         if not handle.config.host_sync and handle.config.clear_tail:
             # Rows past the valid extent are unspecified: zero them, writing only those rows.
             if expert_kernels.AVAILABLE and grad.is_cuda:
@@ -233,6 +306,22 @@ class CombineFunction(torch.autograd.Function):
 def _streams(async_finish: bool, allocate_on_comm_stream: bool) -> Streams:
     return SYNC if not (async_finish or allocate_on_comm_stream) else Streams(bool(async_finish),
                                                                              bool(allocate_on_comm_stream))
+
+
+def _as_function_inputs(x: Any, topk_idx: Any, topk_weights: Any, dispatcher: Dispatcher) -> tuple:
+    """:class:`DispatchFunction`'s inputs but the streams, from a :func:`dispatch` call's: contiguous tensors, floating
+    weights in fp32; anything else passed on for the checks to name."""
+    if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
+        topk_weights = topk_weights.float().contiguous()
+    if isinstance(topk_idx, torch.Tensor):
+        topk_idx = topk_idx.contiguous()
+    try:
+        data, scales = split_hidden(x)
+    except ValueError:  # a tuple that is no pair: the checks say what is wrong
+        data, scales = x, None
+    if isinstance(data, torch.Tensor):
+        data = data.contiguous()
+    return data, topk_weights, dispatcher, topk_idx, scales
 
 
 def dispatch(
@@ -286,31 +375,10 @@ def dispatch(
         count_call(group)
         validate = settings.get("validate") if config is None else config.settings.validate
         validate = get_settings().validate if validate is None else validate
-        validation.raise_on_every_rank(problem, group, agree=bool(validate), alike=dict.fromkeys(
-            validation.DISPATCH_ALIKE, 0))
-    if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
-        topk_weights = topk_weights.float().contiguous()
-    if isinstance(topk_idx, torch.Tensor):
-        topk_idx = topk_idx.contiguous()
-    data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
-    if isinstance(data, torch.Tensor):
-        data = data.contiguous()
+        raise_on_every_rank(problem, group, agree=bool(validate), fields=validation.DISPATCH_AGREEMENT)
     recv_x, recv_weights, recv_scales, recv_idx, handle = DispatchFunction.apply(
-        data, topk_weights, dispatcher, topk_idx, scales, _streams(async_finish, allocate_on_comm_stream))
+        *_as_function_inputs(x, topk_idx, topk_weights, dispatcher), _streams(async_finish, allocate_on_comm_stream))
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
-
-
-@functools.lru_cache(maxsize=64)
-def _resolved(arguments: frozenset, settings: DeepepV2Settings) -> DispatchConfig:
-    return resolve_config(**dict(arguments))
-
-
-def _config_for(arguments: dict[str, Any]) -> DispatchConfig:
-    """:func:`resolve_config` of a dispatch() call's ``arguments``, once per arguments and process-wide settings."""
-    try:
-        return _resolved(frozenset(arguments.items()), get_settings())
-    except TypeError:  # an unhashable value (or an unknown name): resolve uncached, which says what is wrong
-        return resolve_config(**arguments)
 
 
 def combine(x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = False,
@@ -322,7 +390,11 @@ def combine(x: torch.Tensor, handle: DispatchHandle, *, async_finish: bool = Fal
         handle: The handle returned by :func:`dispatch`.
         async_finish, allocate_on_comm_stream: See :func:`dispatch`.
 
-    Returns ``[T, H]`` combined rows in ``x``'s dtype. Raises TypeError or ValueError if ``x`` does not fit ``handle``
-    or the backend (with ``validate``, on every rank), and PeerFailure as :func:`dispatch`.
+    Returns:
+        ``[T, H]`` combined rows in ``x``'s dtype.
+
+    Raises:
+        TypeError, ValueError: ``x`` does not fit ``handle`` or the backend (with ``validate``, on every rank).
+        PeerFailure: As :func:`dispatch`.
     """
     return CombineFunction.apply(x, handle, _streams(async_finish, allocate_on_comm_stream))

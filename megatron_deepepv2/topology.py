@@ -29,7 +29,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_deepepv2._dist import group_size
+from megatron_deepepv2.groups import state_of
 
 #: Environment variable naming this process's NVLink domain, for clusters where hostnames do not (several hosts of one
 #: multi-node NVLink domain, or one host seen under several names). Read directly, not as a setting of
@@ -40,9 +40,6 @@ NCCL_HOST_ID_VARIABLE = "NCCL_HOSTID"
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 #: Group ranks shown in an error message's node map before it is cut short.
 _MAX_RANKS_SHOWN = 32
-
-#: Per process group: the node identity of each of its ranks, in group-rank order (gathered once per group).
-_node_ids: dict[dist.ProcessGroup, tuple[str, ...]] = {}
 
 
 def local_node_id(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -210,12 +207,12 @@ def group_node_ids(group: dist.ProcessGroup) -> tuple[str, ...]:
     Returns:
         One identity per group rank.
     """
-    ids = _node_ids.get(group)
-    if ids is None:
-        gathered: list[Optional[str]] = [None] * group_size(group)
+    state = state_of(group)  # the identities are kept in the group's state
+    if state.node_ids is None:
+        gathered: list[Optional[str]] = [None] * state.size
         dist.all_gather_object(gathered, local_node_id(), group=group)
-        ids = _node_ids[group] = tuple(str(node) for node in gathered)
-    return ids
+        state.node_ids = tuple(str(node) for node in gathered)
+    return state.node_ids
 
 
 def choose_hybrid_mode(group: dist.ProcessGroup, override: Optional[bool]) -> tuple[bool, str]:

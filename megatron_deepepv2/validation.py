@@ -1,7 +1,11 @@
-"""The rules on settings, configurations and dispatch/combine inputs, each written once, each error naming the
+"""The rules on dispatch and combine inputs, each written once, each error naming the
 argument, its value and the fix; all run before any communication (a rank raising inside a collective would leave its
-peers waiting). :func:`raise_on_every_rank` raises a rank's problem alone (announced to its peers) or, with
-``validate``, on every rank together.
+peers waiting). The rules on settings and dispatch configurations are theirs, run when they are built
+(:meth:`~megatron_deepepv2.config.DeepepV2Settings.check`,
+:meth:`~megatron_deepepv2.backends.base.DispatchConfig.check`); a Megatron configuration's are
+:mod:`megatron_deepepv2.megatron_config`'s.
+
+Naming: ``check_*`` raises; ``*_problem`` returns the exception to raise, or None; ``*_error`` builds one exception.
 """
 
 from __future__ import annotations
@@ -9,83 +13,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from megatron_deepepv2.expert_ids import check_expert_ids
-from megatron_deepepv2.failures import agreed, all_gather_ints, all_reduce_max, announce_failure, announced_failures
+from megatron_deepepv2.groups import AgreedField
 from megatron_deepepv2.fp8 import BLOCK as FP8_BLOCK
-from megatron_deepepv2.layout import ExpertLayout
+from megatron_deepepv2.layout import ExpertLayout, split_hidden
 
 if TYPE_CHECKING:
-    from megatron_deepepv2.backends.base import BackendLimits, DispatchConfig, DispatchHandle
-    from megatron_deepepv2.config import DeepepV2Settings
+    from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle
     from megatron_deepepv2.layout import HiddenStates
 
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
-MANAGERS = ("plugin", "native")  # the values of the manager and experts settings
-EXPERTS = ("spec", "sync_free")
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_settings(settings: "DeepepV2Settings") -> None:
-    """Checks the values of ``settings``.
-
-    Raises:
-        ValueError: For a value its setting cannot take, naming the setting's environment variable.
-    """
-    if settings.manager not in MANAGERS:
-        raise ValueError(f"manager={settings.manager!r} is not one of {', '.join(MANAGERS)} "
-                         "(MEGATRON_DEEPEPV2_MANAGER: 'plugin' for this package's deepepv2, 'native' for "
-                         "megatron-core's own).")
-    if settings.experts not in EXPERTS:
-        raise ValueError(f"experts={settings.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS: "
-                         "'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
-                         "SequentialMLP).")
-    if settings.num_max_tokens_per_rank is not None and int(settings.num_max_tokens_per_rank) <= 0:
-        raise ValueError(f"num_max_tokens_per_rank={settings.num_max_tokens_per_rank} must be a positive token "
-                         "count, or unset to take the largest first batch over the ranks "
-                         "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK).")
-    if float(settings.growth_timeout_s) <= 0:
-        raise ValueError(f"growth_timeout_s={settings.growth_timeout_s} must be a positive number of seconds "
-                         "(MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S).")
-    if int(settings.num_sms) < 0:
-        raise ValueError(f"num_sms={settings.num_sms} must be >= 0, 0 letting the backend choose "
-                         "(MEGATRON_DEEPEPV2_NUM_SMS).")
-
-
-def check_dispatch_config(config: "DispatchConfig") -> None:
-    """Checks a dispatch configuration and its settings (run once, when it is resolved).
-
-    Raises:
-        ValueError: For a setting out of range, an alignment below 1, zero padding outside the expand layout, padded
-            expand blocks without zero padding, or deterministic mode where the backend cannot order
-            the received rows (``deterministic_order_problem``).
-    """
-    check_settings(config.settings)
-    alignment = config.expert_alignment
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
-        raise ValueError(f"expert_alignment={alignment!r} must be an integer >= 1 (1 = no padding).")
-    if config.zero_padding and config.layout is not ExpertLayout.EXPAND:
-        raise ValueError("zero_padding=True only applies to layout='expand'; compact rows have no padding.")
-    if config.zero_padding is False and config.layout is ExpertLayout.EXPAND and alignment > 1:
-        raise ValueError(f"zero_padding=False with layout='expand' and expert_alignment={alignment} would leave the "
-                         "padding rows holding whatever the memory held (NaN or -inf included), and a grouped GEMM's "
-                         "weight gradient reads them. Leave zero_padding unset (it zero-fills whenever blocks are "
-                         "padded), or use expert_alignment=1 for blocks without padding.")
-    settings = config.settings
-    problem = settings.deterministic and config.backend.deterministic_order_problem(settings.host_sync)
-    if problem:
-        mode, or_sync = ("", "") if settings.host_sync else (" without host sync", ", or MEGATRON_DEEPEPV2_NO_HOST_SYNC")
-        raise ValueError(f"Deterministic mode{mode} is not available on the {config.backend.name} backend as installed: "
-                         f"{problem} Install DeepEP 2.1.0 or V2.5, or turn off deterministic mode "
-                         f"(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode){or_sync}.")
-
-
 def check_binding(num_experts: int, group_size: int) -> None:
     """Checks that every rank of a group of ``group_size`` ranks hosts the same number of experts.
+
+    Args:
+        num_experts: Global number of experts.
+        group_size: Ranks of the expert-parallel group.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of ``group_size``.
@@ -103,88 +52,47 @@ def fp8_hidden_size_problem(hidden: int) -> Optional[ValueError]:
     return None
 
 
-def check_megatron_config(config: Any) -> None:
-    """Raises a ValueError, saying what to change, for a ``TransformerConfig`` selecting deepepv2 in a combination it
-    does not support."""
-    if getattr(config, "moe_enable_deepep", False):
-        raise ValueError(
-            "moe_enable_deepep=True selects the DeepEP v1 backend but moe_flex_dispatcher_backend='deepepv2' "
-            "was also given. Drop --moe-enable-deepep (deprecated) and keep --moe-flex-dispatcher-backend deepepv2.")
-    rank_capacity_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
-    if rank_capacity_factor is not None and not rank_capacity_factor > 0:
-        raise ValueError(f"moe_expert_rank_capacity_factor={rank_capacity_factor} must be a positive factor of the "
-                         "per-rank receive (tokens per rank x top-k), or unset for a dropless receive.")
-    if getattr(config, "moe_paged_stash", False):
-        raise ValueError(
-            "moe_paged_stash is not supported with moe_flex_dispatcher_backend='deepepv2'. Megatron's paged stash "
-            "pages only the Transformer Engine grouped tensors that TEGroupedMLP's op-fuser path saves for backward "
-            "(--use-transformer-engine-op-fuser --moe-grouped-gemm), a path that has never run with deepepv2: its "
-            "tested experts (SyncFreeSequentialMLP, SequentialMLP) save plain tensors, which paged stash leaves in "
-            "place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
-            "Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) works with deepepv2.")
-    if config.num_moe_experts is None:
-        return
-    if config.moe_token_dispatcher_type != "flex":
-        raise ValueError(
-            f"moe_flex_dispatcher_backend='deepepv2' requires moe_token_dispatcher_type='flex' (got "
-            f"{config.moe_token_dispatcher_type!r}); pass --moe-token-dispatcher-type flex.")
-    if config.moe_pad_expert_input_to_capacity:
-        raise ValueError(
-            "Flex token dispatcher with the deepepv2 backend does not support moe_pad_expert_input_to_capacity; "
-            "drop --moe-pad-expert-input-to-capacity (capacity dropping with --moe-expert-capacity-factor works).")
-
-
-def check_fp8_model(config: Any) -> None:
-    """Raises for a ``TransformerConfig`` whose layers dispatch in FP8: a TypeError if the model does not train in
-    BF16, a ValueError if its hidden size is not a multiple of 128."""
-    bf16 = bool(getattr(config, "bf16", False)) or getattr(config, "params_dtype", None) == torch.bfloat16
-    if not bf16:
-        raise TypeError("FP8 dispatch (MEGATRON_DEEPEPV2_FP8_DISPATCH=1) quantises BF16 hidden states; this model "
-                        "does not train in BF16. Add --bf16 or turn FP8 dispatch off.")
-    problem = fp8_hidden_size_problem(config.hidden_size)
-    if problem is not None:
-        raise problem
-
-
-def check_sync_free_experts(config: Any, expert_tp_size: int) -> None:
-    """Raises a ValueError for what a ``TransformerConfig`` asks of ``SyncFreeSequentialMLP`` experts that they lack:
-    expert tensor parallelism, biases, FP8/FP4, delayed weight gradients or TE's activation."""
-    if expert_tp_size > 1:
-        raise ValueError("SyncFreeSequentialMLP supports expert tensor parallel size 1; set "
-                         "--expert-tensor-parallel-size 1.")
-    if config.add_bias_linear:
-        raise ValueError("SyncFreeSequentialMLP supports experts without bias; pass --disable-bias-linear.")
-    if config.fp8 or config.fp4:
-        raise ValueError("SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; drop --fp8-format / --fp4-format for "
-                         "its experts. (FP8/FP4 experts without host sync would be TEGroupedMLP with "
-                         "--use-transformer-engine-op-fuser, which has never run with deepepv2.)")
-    if getattr(config, "delay_wgrad_compute", False):
-        raise ValueError("SyncFreeSequentialMLP computes weight gradients in backward; unset --delay-wgrad-compute.")
-    if getattr(config, "use_te_activation_func", False):
-        raise ValueError("SyncFreeSequentialMLP applies config.activation_func itself; unset --use-te-activation-func.")
-
-
-def host_sync_capture_problem() -> RuntimeError:
-    """The error of a dispatch with host sync inside CUDA-graph capture."""
+def host_sync_capture_error() -> RuntimeError:
+    """Returns the error of a dispatch with host sync inside CUDA-graph capture."""
     return RuntimeError(
         "deepepv2 dispatch with host sync inside CUDA-graph capture: the dispatch waits on the host for sizes that "
         "captured kernels never produce (DeepEP would spin until its CPU timeout). Capture dispatches without host "
         "sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers.")
 
 
-def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], *,
-                          limits: "BackendLimits", fp8_dispatch: bool = False,
-                          num_max_tokens_per_rank: Optional[int] = None, num_experts: int = 0,
-                          check_values: bool = False) -> Optional[Exception]:
-    """Checks dispatch arguments (``x`` ``[T, H]`` or an FP8 pair, ``topk_idx`` int64 ``[T, K]``, ``topk_weights``
-    fp32 ``[T, K]`` or None) against the backend's ``limits``, FP8 dispatch (``x`` BF16) and the token limit; with
-    ``check_values`` also the ids' values (read on the host).
+def dispatch_inputs_problem(x: "HiddenStates", topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], *,
+                            limits: "BackendLimits", fp8_dispatch: bool = False,
+                            num_max_tokens_per_rank: Optional[int] = None) -> Optional[Exception]:
+    """Checks the static properties of dispatch arguments (types, dtypes, shapes, devices; the ids' values are
+    :mod:`megatron_deepepv2.expert_ids`'s) against the backend's ``limits``, FP8 dispatch and the token limit.
+
+    Args:
+        x: ``[T, H]`` hidden states, or an FP8 pair ``(x_fp8 [T, H], scales [T, S])``.
+        topk_idx: ``[T, K]`` int64 global expert ids.
+        topk_weights: ``[T, K]`` fp32 weights, or None.
+        limits: The backend's static limits.
+        fp8_dispatch: Whether the dispatch quantises ``x`` (which must then be BF16, ``H % 128 == 0``).
+        num_max_tokens_per_rank: The configured token limit, or None.
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None when all is well.
     """
+    problem = _hidden_problem(x, limits, fp8_dispatch)
+    if problem is None:
+        data = split_hidden(x)[0]
+        problem = _routing_problem(data, topk_idx, topk_weights, limits)
+    if problem is None and num_max_tokens_per_rank is not None and topk_idx.shape[0] > num_max_tokens_per_rank:
+        problem = ValueError(f"This rank dispatches {topk_idx.shape[0]} tokens but num_max_tokens_per_rank="
+                             f"{num_max_tokens_per_rank}. Raise num_max_tokens_per_rank "
+                             "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to at least the largest per-rank token count; "
+                             "it must be the same on every rank.")
+    return problem
+
+
+def _hidden_problem(x: "HiddenStates", limits: "BackendLimits", fp8_dispatch: bool) -> Optional[Exception]:
+    """The first problem of a dispatch's hidden states (see :func:`dispatch_inputs_problem`), or None."""
     is_fp8 = isinstance(x, tuple)
-    if is_fp8 and (len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x)):
+    if is_fp8 and (len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x)):  # split_hidden's test, first
         return TypeError(f"x must be a tensor [T, H] or an FP8 pair (x_fp8 [T, H], scales [T, S]); got a tuple of "
                          f"{len(x)} item(s) of types {[type(t).__name__ for t in x]}.")
     if not is_fp8 and not isinstance(x, torch.Tensor):
@@ -192,7 +100,7 @@ def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weight
     if fp8_dispatch and is_fp8:
         return TypeError("FP8 dispatch quantises BF16 hidden states itself; pass the BF16 tensor, not an FP8 pair "
                          "(or turn FP8 dispatch off to pass pairs through).")
-    data, scales = x if is_fp8 else (x, None)
+    data, scales = split_hidden(x)
     if data.dim() != 2:
         return ValueError(f"x must be 2-D [num_tokens, hidden]; got shape {tuple(data.shape)}. Flatten leading dims "
                           "with x.view(-1, hidden).")
@@ -219,6 +127,14 @@ def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weight
                           f"multiple of {limits.combine_hidden_multiple}, or the reference backend.")
     if limits.requires_cuda and not data.is_cuda:
         return ValueError(f"x is on {data.device}; this backend needs CUDA tensors. Move inputs with .cuda().")
+    return None
+
+
+def _routing_problem(data: torch.Tensor, topk_idx: Any, topk_weights: Any,
+                     limits: "BackendLimits") -> Optional[Exception]:
+    """The first problem of a dispatch's routing for the ``[T, H]`` rows ``data`` (see
+    :func:`dispatch_inputs_problem`), or None."""
+    num_tokens = data.shape[0]
     if not isinstance(topk_idx, torch.Tensor):
         return TypeError(f"topk_idx must be a torch.Tensor [T, K]; got {type(topk_idx).__name__}.")
     if topk_idx.dtype != torch.int64:
@@ -241,19 +157,15 @@ def check_dispatch_inputs(x: "HiddenStates", topk_idx: torch.Tensor, topk_weight
                               f"{tuple(topk_idx.shape)}.")
         if topk_weights.device != data.device:
             return ValueError(f"topk_weights is on {topk_weights.device} but x is on {data.device}.")
-    if num_max_tokens_per_rank is not None and num_tokens > num_max_tokens_per_rank:
-        return ValueError(f"This rank dispatches {num_tokens} tokens but num_max_tokens_per_rank="
-                          f"{num_max_tokens_per_rank}. Raise num_max_tokens_per_rank "
-                          "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK) to at least the largest per-rank token count; it "
-                          "must be the same on every rank.")
-    return check_expert_ids(topk_idx, num_experts) if check_values else None
+    return None
 
 
-def not_a_handle(handle: Any) -> TypeError:  # the error of a combine given something else than a handle
+def not_a_handle_error(handle: Any) -> TypeError:
+    """Returns the error of a combine given ``handle``, something else than a dispatch's handle."""
     return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
 
 
-def check_combine_inputs(x: torch.Tensor, handle: "DispatchHandle",
+def combine_inputs_problem(x: torch.Tensor, handle: "DispatchHandle",
                          topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
     """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply):
     ``x`` is ``[handle.num_recv_rows, H]``; ``topk_weights`` float32 ``[rows]`` (expand) or ``[rows, K]``, or None.
@@ -281,83 +193,22 @@ def check_combine_inputs(x: torch.Tensor, handle: "DispatchHandle",
     return None
 
 
-#: What every rank's dispatch inputs must share, in the order :func:`raise_on_every_rank` agrees on them.
-DISPATCH_ALIKE = ("dtype", "hidden size", "top-k", "FP8")
-#: dtypes by a small code, for the cross-rank agreement (0: any other dtype).
+#: dtypes by a small code, for the agreement of the ranks (0: any other dtype).
 _DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer naming ``dtype`` the same on every rank (see :func:`raise_on_every_rank`)."""
-    return _DTYPE_CODES.index(dtype) + 1 if dtype in _DTYPE_CODES else 0
+def _dtype_words(code: int) -> str:
+    return str(_DTYPE_CODES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPE_CODES) else "another"
 
 
-def _describe(field: str, value: int) -> str:
-    if field == "dtype":
-        return str(_DTYPE_CODES[value - 1]).removeprefix("torch.") if 0 < value <= len(_DTYPE_CODES) else "another"
-    if field in ("FP8", "allow_hybrid_mode"):
-        return "auto" if value < 0 else "yes" if value else "no"
-    return str(value)
-
-
-def raise_on_every_rank(problem: Optional[Exception], group: dist.ProcessGroup, *, agree: bool, num_tokens: int = 0,
-                        alike: Optional[dict[str, int]] = None) -> int:
-    """Raises ``problem``; with ``agree``, first makes every rank of ``group`` raise together.
-
-    With ``agree`` this is collective: one small all-reduce (error flags, token count, range of each ``alike`` value),
-    plus an all-gather only when values differ. Without it, ``problem`` is announced to the peers, then raised.
-
-    Args:
-        problem, group: This rank's problem (or None) and the dispatch's process group.
-        agree: Share the outcome over ``group``.
-        num_tokens, alike: This rank's token count (maximised over the group) and the integer-coded values every
-            rank must share (``dtype`` as :func:`dtype_code`), or None.
-
-    Returns:
-        The largest token count over the group (``num_tokens`` itself without ``agree``).
-
-    Raises:
-        TypeError, ValueError: ``problem``; with ``agree``, on the other ranks a ValueError naming each rank that had
-            one and its error, or each rank's differing values; each marked by ``failures.agreed``.
-    """
-    if not agree:
-        if problem is not None:
-            announce_failure(group, problem)  # for the peers, whose next collective fails without this rank
-            raise problem
-        return num_tokens
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    flags = [0] * world
-    flags[rank] = int(problem is not None)
-    fields = list((alike or {}).items())  # the same names on every rank (a rank with a problem sends zeros)
-    values = [value for _, value in fields]
-    if problem is not None:  # before the all-reduce, so that every peer can read it once the flags arrive
-        announce_failure(group, problem, interrupt=False)
-    outcome = all_reduce_max(flags + [num_tokens] + values + [-value for value in values], group)
-    if problem is not None:
-        raise agreed(problem)
-    if any(outcome[:world]):
-        ranks = dist.get_process_group_ranks(group)
-        failed = [ranks[r] for r in range(world) if outcome[r]]
-        errors = announced_failures(group)
-        said = "; ".join(f"rank {r}: {errors[r]}" for r in failed if r in errors)
-        unsaid = [r for r in failed if r not in errors]
-        if unsaid:  # the store could not be read: the errors are only on those ranks
-            said += f"{'; ' if said else ''}rank(s) {unsaid}: their error is raised there"
-        raise agreed(ValueError(f"Rank(s) {failed} of the expert-parallel group rejected their dispatch or combine "
-                                f"inputs ({said}); this rank's inputs were valid but it stops too instead of waiting."))
-    count = len(values)
-    highs, lows = outcome[world + 1:world + 1 + count], [-v for v in outcome[world + 1 + count:]]
-    differing = [name for (name, _), high, low in zip(fields, highs, lows) if high != low]
-    if differing:
-        ranks = dist.get_process_group_ranks(group)
-        every = all_gather_ints(values, group)
-        described = "; ".join(
-            f"rank {ranks[r]}: " + ", ".join(f"{name} {_describe(name, v)}" for (name, _), v in zip(fields, every[r])
-                                             if name in differing)
-            for r in range(world))
-        raise agreed(ValueError(
-            f"The ranks of the expert-parallel group dispatch inputs whose {', '.join(differing)} differ "
-            f"({described}). Every rank must dispatch the same dtype, hidden size, top-k and FP8-ness with the same "
-            "determinism and SM count: they fix the layout of the exchange. Give every rank the same model "
-            "configuration and settings."))
-    return outcome[world]
+#: What the ranks of a group agree on at every dispatch with ``validate``, read off a tuple ``(dtype, hidden size,
+#: top-k, FP8, SM count)`` of one rank's dispatch: what fixes the layout of the exchange (a buffer build agrees on its
+#: own table, :data:`~megatron_deepepv2.backends.base.BUILD_AGREEMENT`).
+DISPATCH_AGREEMENT: tuple[AgreedField, ...] = (
+    AgreedField("dtype", lambda facts: _DTYPE_CODES.index(facts[0]) + 1 if facts[0] in _DTYPE_CODES else 0,
+                _dtype_words),
+    AgreedField("hidden size", lambda facts: facts[1]),
+    AgreedField("top-k", lambda facts: facts[2]),
+    AgreedField("FP8", lambda facts: facts[3], lambda value: "yes" if value else "no"),
+    AgreedField("SM count", lambda facts: facts[4]),
+)

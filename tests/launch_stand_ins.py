@@ -26,7 +26,7 @@ PRETRAIN_ARGUMENTS = textwrap.dedent(
     from megatron.core.transformer.moe import moe_layer
     from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 
-    assert getattr(moe_layer.MoEFlexTokenDispatcher, "_deepepv2_plugin", False), "megatron_deepepv2.run installs it"
+    assert getattr(moe_layer.MoEFlexTokenDispatcher, "_deepepv2_plugin", False), "megatron_deepepv2.cli.run installs it"
     args = parse_args()
     validate_args(args)
     config = core_transformer_config_from_args(args)

@@ -122,7 +122,7 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
         data = (x.to(torch.float8_e4m3fn), scales)
     capacity = cfg.tokens
     with dv2.settings_override(num_sms=args.sms):
-        out = dv2.dispatch(data, idx, w, cfg.experts, layout="expand", expert_alignment=128, zero_padding=True,
+        out = dv2.dispatch(data, idx, w, cfg.experts, layout="expand", expert_alignment=128,
                            backend="deepep", num_max_tokens_per_rank=capacity)
         raw, extra, _ = _raw_buffer(out.handle)
 
@@ -153,8 +153,7 @@ def bench_ops(cfg: BenchConfig, args, results: dict) -> None:
 
         def ops_fwd_bwd(backend: str = "deepep"):
             inp = x_req if not cfg.fp8 else data
-            res = dv2.dispatch(inp, idx, w_req, cfg.experts, layout="expand", expert_alignment=128,
-                               zero_padding=True, backend=backend, num_max_tokens_per_rank=capacity)
+            res = dv2.dispatch(inp, idx, w_req, cfg.experts, layout="expand", expert_alignment=128, backend=backend, num_max_tokens_per_rank=capacity)
             rx = res.recv_x
             if cfg.fp8:  # FP8 rows carry no gradient; the weights' gradient still flows through combine
                 rx = res.recv_x[0].to(torch.bfloat16) * res.recv_topk_weights.unsqueeze(1).to(torch.bfloat16)
@@ -274,7 +273,7 @@ def bench_sm_sweep(cfg: BenchConfig, args) -> list[dict]:
     x, idx, w = _bench.routed_tokens(cfg.tokens, cfg.hidden, cfg.experts, cfg.topk, seed=dist.get_rank())
     _, remote_rows = received_rows(idx, cfg)
     remote_bytes = remote_rows * cfg.hidden * 2
-    out = dv2.dispatch(x, idx, w, cfg.experts, layout="expand", expert_alignment=128, zero_padding=True,
+    out = dv2.dispatch(x, idx, w, cfg.experts, layout="expand", expert_alignment=128,
                        backend="deepep", num_max_tokens_per_rank=cfg.tokens)
     raw, extra, _ = _raw_buffer(out.handle)
     sweep = []

@@ -2,7 +2,7 @@
 """Cost of the default input checks of a dispatch, on one GPU.
 
 Times, per routing shape (tokens per rank, experts, top-k), the checks a dispatch runs at default settings: the
-static checks (:func:`megatron_deepepv2.validation.check_dispatch_inputs`, host only; a layer runs them at its first
+static checks (:func:`megatron_deepepv2.validation.dispatch_inputs_problem`, host only; a layer runs them at its first
 call and whenever its inputs' types, dtypes, devices or trailing shapes change, so counting them per dispatch, as the
 totals here do, is an upper bound) and the device-side expert-id check
 (:func:`megatron_deepepv2.expert_ids.assert_expert_ids_on_device`: one Triton kernel and a device-side assert), and,
@@ -78,10 +78,10 @@ def measure(args: argparse.Namespace) -> dict:
     """Runs every shape; returns the JSON document."""
     import torch
 
-    from megatron_deepepv2.backends import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
     from megatron_deepepv2 import expert_ids
-    from megatron_deepepv2.expert_ids import assert_expert_ids_on_device, check_expert_ids
-    from megatron_deepepv2.validation import check_dispatch_inputs
+    from megatron_deepepv2.expert_ids import assert_expert_ids_on_device, expert_ids_problem
+    from megatron_deepepv2.validation import dispatch_inputs_problem
 
     rows = []
     hidden = 4096
@@ -91,13 +91,13 @@ def measure(args: argparse.Namespace) -> dict:
         weights = torch.rand(num_tokens, top_k, device="cuda")
 
         def static_checks():
-            return check_dispatch_inputs(x, idx, weights, limits=DeepEPBackend.limits, num_experts=num_experts)
+            return dispatch_inputs_problem(x, idx, weights, limits=DeepEPBackend.limits, num_experts=num_experts)
 
         def device_check():
             assert_expert_ids_on_device(idx, num_experts)
 
         def host_check():
-            check_expert_ids(idx, num_experts)
+            expert_ids_problem(idx, num_experts)
 
         def kernel_only():
             expert_ids.clear_flag_on_bad_ids(idx, num_experts, ok)

@@ -43,7 +43,7 @@ logger = logging.getLogger("bench_fp8")
 
 
 LAYOUTS = {"compact": dict(layout="compact"),
-           "expand": dict(layout="expand", expert_alignment=16, zero_padding=True)}
+           "expand": dict(layout="expand", expert_alignment=16)}
 
 
 def measure(model_name: str, tokens: int, args: argparse.Namespace, cuda: bool) -> list[dict]:

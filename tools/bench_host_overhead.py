@@ -321,10 +321,9 @@ def _package_variants(inputs: _StepInputs) -> dict[str, Callable[[], None]]:
     import torch.distributed as dist
 
     import megatron_deepepv2 as dv2
-    from megatron_deepepv2 import backends
     from megatron_deepepv2.backends import base
 
-    backends.register_backend(_zero_cost_backend(base))
+    dv2.register_backend(_zero_cost_backend(base))
     dv2.configure(validate=False)
     x, idx, w, upstream_grad, experts = (inputs.x, inputs.idx, inputs.w, inputs.upstream_grad, inputs.experts)
     group = dist.group.WORLD  # resolved once, as the Megatron manager holds its group

@@ -65,7 +65,7 @@ from tools import _bench  # noqa: E402
 logger = logging.getLogger("bench_hot_path")
 
 NAME = "bench_hot_path"
-LAYOUTS = {"compact": dict(layout="compact"), "expand": dict(layout="expand", expert_alignment=16, zero_padding=True)}
+LAYOUTS = {"compact": dict(layout="compact"), "expand": dict(layout="expand", expert_alignment=16)}
 #: Ratio targets: numerator / denominator <= value.
 TARGETS = {"ops_manager_streams/raw_autograd": 1.10, "ops_defaults/raw_autograd": 1.25,
            "ops_no_host_sync/ops_manager": 1.00, "graph_replay/kernel_time": 1.1}
@@ -122,7 +122,7 @@ def _raw_buffer(handle: Any) -> tuple[Any, dict[str, Any], int]:
         the installed DeepEP line), and the SM count its dispatches use.
     """
     backend = handle.buffer
-    return backend.buffer, dict(backend.line_calls.dispatch_kwargs), backend.num_sms
+    return backend.buffer, dict(backend.line.dispatch_kwargs), backend.line.num_sms(handle.config.settings.num_sms)
 
 
 @dataclass(frozen=True)
@@ -505,7 +505,7 @@ def _parse(argv: Optional[list[str]]) -> tuple[argparse.ArgumentParser, argparse
 def main(argv: Optional[list[str]] = None) -> int:
     parser, args = _parse(argv)
     _bench.setup_logging()
-    _bench.require_cuda(parser, "a CUDA GPU with DeepEP (python -m megatron_deepepv2.doctor says what is missing)")
+    _bench.require_cuda(parser, "a CUDA GPU with DeepEP (python -m megatron_deepepv2.cli.doctor says what is missing)")
     configs = [HotPathConfig(*map(int, text.split("x"))) for text in args.configs]
     if args.quick:
         configs, args.rounds = configs[:1], 3

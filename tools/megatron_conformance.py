@@ -167,9 +167,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "and megatron/)")
     gpus = None if args.nproc else visible_gpus()
     nproc = args.nproc or max(gpus, 1)
-    from megatron_deepepv2.doctor import disable_gin_without_rdma  # noqa: PLC0415
+    from megatron_deepepv2.cli.doctor import disable_gin_without_rdma  # noqa: PLC0415
 
-    disable_gin_without_rdma()  # as `python -m megatron_deepepv2.run` does: the ranks inherit it
+    disable_gin_without_rdma()  # as `python -m megatron_deepepv2.cli.run` does: the ranks inherit it
     configs = [Configuration(backend, sync == "on") for backend in args.backends for sync in args.host_sync]
     runs: dict[str, dict[str, Any]] = {}
     for config in configs:

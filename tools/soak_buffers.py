@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, args) -> dict:
         x = torch.randn(tokens, HIDDEN, generator=gen).requires_grad_()
         idx = torch.rand(tokens, EXPERTS, generator=gen).argsort(dim=1)[:, :TOPK]
         w = torch.rand(tokens, TOPK, generator=gen)
-        out = dv2.dispatch(x, idx, w, EXPERTS, layout="expand", expert_alignment=4, zero_padding=True)
+        out = dv2.dispatch(x, idx, w, EXPERTS, layout="expand", expert_alignment=4)
         local = experts[mine]
         blocks = torch.split(out.recv_x, out.handle.tokens_per_expert_list)
         probs = torch.split(out.recv_topk_weights, out.handle.tokens_per_expert_list)

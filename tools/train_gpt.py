@@ -2,7 +2,7 @@
 
 Three subcommands:
 
-* ``record``: the launch of ``python -m megatron_deepepv2.run`` (installs the plugin, runs the script as
+* ``record``: the launch of ``python -m megatron_deepepv2.cli.run`` (installs the plugin, runs the script as
   ``__main__``), with every training step's exact losses, gradient norm and wall-clock time appended to a JSON-lines
   file by rank 0. Use it as the runner of ``examples/pretrain_gpt_moe_deepepv2.sh``::
 
@@ -286,12 +286,12 @@ def use_megatrons_dispatch_preprocess() -> None:
 def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[int, int]] = None,
            profile_out: Optional[str] = None, round_number: Optional[int] = None,
            megatron_dispatch_preprocess: bool = False, exit_after_last_step: bool = False) -> int:
-    """Runs ``python -m megatron_deepepv2.run TARGET...`` with a :class:`StepRecorder` on Megatron's training log.
+    """Runs ``python -m megatron_deepepv2.cli.run TARGET...`` with a :class:`StepRecorder` on Megatron's training log.
 
     Args:
         out: The JSON-lines file.
         label: The run's name.
-        target: ``[SCRIPT, ARGS...]`` as for ``megatron_deepepv2.run``.
+        target: ``[SCRIPT, ARGS...]`` as for ``megatron_deepepv2.cli.run``.
         profile: Iterations ``(FIRST, LAST)`` to trace, or None.
         profile_out: The trace file.
         round_number: The run's round (``rounds``), written in its header.
@@ -302,7 +302,7 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
         The runner's exit status.
     """
     import megatron_deepepv2  # noqa: PLC0415
-    from megatron_deepepv2 import run  # noqa: PLC0415
+    from megatron_deepepv2.cli import run  # noqa: PLC0415
 
     megatron_deepepv2.install()  # before Megatron's training modules are imported (run.main's install is then a no-op)
     if megatron_dispatch_preprocess:
@@ -634,7 +634,7 @@ def schedule(variants: Sequence[str], rounds: int, out: str, profile_last: Seque
 
 def launch_command(launch: Launch, megatron_lm: str, steps: int, extra: Sequence[str]) -> tuple[list[str], str]:
     """The example's command line for ``launch`` and its ``RUNNER``: this tool's ``record``, which torchrun starts in
-    place of ``-m megatron_deepepv2.run`` (see the example)."""
+    place of ``-m megatron_deepepv2.cli.run`` (see the example)."""
     runner = [os.path.abspath(__file__), "record", "--out", os.path.abspath(launch.out), "--label",
               launch.variant.name, "--round", str(launch.round_number), "--exit-after-last-step",
               *launch.variant.record_args]

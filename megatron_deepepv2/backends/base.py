@@ -1,6 +1,6 @@
-"""The backend contract: :class:`DispatchConfig` (what a layer's dispatches do), :class:`BufferSpec`, :class:`Streams`
-and :data:`SYNC`, :class:`DispatchHandle` and :class:`DispatchResult`, and :class:`DispatchBackend`, whose instances
-are communication buffers.
+"""The backend contract: :class:`DispatchConfig` (what a layer's dispatches do), :class:`BufferSpec` and what the
+ranks agree on at a build (:data:`BUILD_AGREEMENT`), :class:`Streams` and :data:`SYNC`, :class:`DispatchHandle` and
+:class:`DispatchResult`, and :class:`DispatchBackend`, whose instances are communication buffers.
 
 The semantics are ``deep_ep.ElasticBuffer``'s (DeepEP 2.1.0). **dispatch** sends every token to each rank hosting one
 of its experts: ``compact`` gives one row per (token, destination rank), source-rank-major, with the token's top-k
@@ -20,38 +20,61 @@ from typing import Any, ClassVar, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.config import DeepepV2Settings, buffer_settings
+from megatron_deepepv2.config import DeepepV2Settings
+from megatron_deepepv2.groups import AgreedField, yes_no
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """What a layer's dispatches do, resolved and checked once (:func:`megatron_deepepv2.backends.resolve_config`).
+    """What a layer's dispatches do, checked when it is built (:meth:`check`; resolved from the settings by
+    :func:`megatron_deepepv2.ops.resolve_config`).
 
     Attributes:
         backend: The backend class.
         settings: The switches it was resolved with (:class:`~megatron_deepepv2.config.DeepepV2Settings`).
         layout: Receive layout.
-        expert_alignment: Expand layout: each expert block is padded to a multiple of this (1 = none).
-        zero_padding: The caller's request for zero padding rows (None: whenever there are any). Padding rows and
-            weights are zero whenever there are any (:attr:`padded`); False is rejected there, True outside expand.
+        expert_alignment: Expand layout: each expert block is padded to a multiple of this (1 = none); the padding rows
+            and their weights are zero (:attr:`padded`).
         mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts.
         clear_tail: Without host sync: expert id -1 and weight 0 past the valid rows, zero rows past them in a
             combine's input gradient, for a consumer that reads every row.
+
+    Raises:
+        ValueError: At construction, as :meth:`check`.
     """
 
     backend: type["DispatchBackend"]
     settings: DeepepV2Settings = field(default_factory=DeepepV2Settings)
     layout: ExpertLayout = ExpertLayout.COMPACT
     expert_alignment: int = 1
-    zero_padding: Optional[bool] = None
     mask_foreign_weights: bool = True
     clear_tail: bool = True
 
     def __post_init__(self) -> None:
+        self.check()
         # A configuration keys the backend's per-call argument cache on every call: hash it once.
         object.__setattr__(self, "_hash", hash((self.backend, self.settings, self.layout, self.expert_alignment,
-                                                self.zero_padding, self.mask_foreign_weights, self.clear_tail)))
+                                                self.mask_foreign_weights, self.clear_tail)))
+
+    def check(self) -> None:
+        """Checks the configuration (its settings checked themselves when built).
+
+        Raises:
+            ValueError: For an alignment that is not an integer >= 1, or deterministic mode where the backend cannot
+                order the received rows (:meth:`DispatchBackend.deterministic_order_unavailable_reason`).
+        """
+        alignment = self.expert_alignment
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+            raise ValueError(f"expert_alignment={alignment!r} must be an integer >= 1 (1 = no padding).")
+        settings = self.settings
+        reason = settings.deterministic and self.backend.deterministic_order_unavailable_reason(settings.host_sync)
+        if reason:
+            mode, or_sync = ("", "") if settings.host_sync else (" without host sync",
+                                                                 ", or MEGATRON_DEEPEPV2_NO_HOST_SYNC")
+            raise ValueError(f"Deterministic mode{mode} is not available on the {self.backend.name} backend as "
+                             f"installed: {reason} Install DeepEP 2.1.0 or V2.5, or turn off deterministic mode "
+                             f"(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode){or_sync}.")
 
     def __hash__(self) -> int:
         return self._hash
@@ -70,15 +93,26 @@ class DispatchConfig:
                       doc="Whether expand blocks have padding rows (alignment > 1): zero, as their weights.")
 
 
+#: What the ranks of a group agree on when they build a buffer, and what keeps buffers apart: the buffer's key
+#: (:attr:`BufferSpec.key`) is these values, the build's agreement vector their integers, its error their names.
+#: ``num_sms`` is not among them: DeepEP takes it per call, so one buffer serves every SM count (docs/internals.md).
+BUILD_AGREEMENT: tuple[AgreedField, ...] = (
+    AgreedField("hidden size", lambda spec: spec.hidden),
+    AgreedField("top-k", lambda spec: spec.num_topk),
+    AgreedField("FP8", lambda spec: spec.fp8, yes_no),
+    AgreedField("allow_hybrid_mode", lambda spec: spec.settings.allow_hybrid_mode, yes_no),
+)
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     """What a communication buffer is built for: hidden size ``H``, top-k ``K``, the most tokens any rank dispatches in
-    one call (the same on every rank), and the dispatches' settings (those marked ``BUFFER`` are construction
-    arguments).
+    one call (the same on every rank), whether dispatches send FP8 rows (sizing is BF16's: combine's backward sends
+    BF16 rows), and the settings of the dispatches.
 
     Attributes:
-        fp8: Whether dispatches send FP8 rows (in the key so that builds agree on it; sizing is BF16's).
-        key: What buffers are kept apart by: all but the token count and the settings not marked ``BUFFER``.
+        key: What buffers are kept apart by, and what the ranks agree on at a build: the values of
+            :data:`BUILD_AGREEMENT`.
     """
 
     hidden: int
@@ -89,7 +123,11 @@ class BufferSpec:
 
     def __post_init__(self) -> None:
         # Read on every dispatch (the buffer registry's key): computed once.
-        object.__setattr__(self, "key", (self.hidden, self.num_topk, self.fp8) + buffer_settings(self.settings))
+        object.__setattr__(self, "key", tuple(agreed.read(self) for agreed in BUILD_AGREEMENT))
+
+    def agreement(self) -> list[int]:
+        """The integers the ranks agree on at a build of this spec, in :data:`BUILD_AGREEMENT`'s order."""
+        return [agreed.encode(self) for agreed in BUILD_AGREEMENT]
 
 
 @dataclass(frozen=True)
@@ -194,31 +232,41 @@ class CombineOutput(NamedTuple):
 
 
 class DispatchBackend(ABC):
-    """A backend class; each instance is one communication buffer on one process group. Construction and
-    :meth:`destroy` are collective over ``group``; inputs arrive checked (:mod:`megatron_deepepv2.validation`).
+    """A backend class; each instance is one communication buffer on one process group (the package's "buffer"; the
+    library's own buffer object, when there is one, is private to the backend). Construction and :meth:`destroy` are
+    collective over ``group``; inputs arrive checked (:mod:`megatron_deepepv2.validation`), contiguous, on the device
+    ``limits`` asks for.
 
     Args:
         group: Process group spanning the expert-parallel ranks.
-        spec: What the buffer is built for.
+        spec: What the buffer is built for; ``spec.num_max_tokens_per_rank`` is the same on every rank.
+
+    Attributes:
+        handle_records: The dispatch handles made on this buffer, as :mod:`megatron_deepepv2.buffers` records them
+            (a retired buffer is kept while one is alive); None until the first.
     """
 
     name: ClassVar[str]  #: registry name
     limits: ClassVar[BackendLimits]
+    #: Order of preference of backend ``auto``: the usable backend with the lowest value is chosen.
+    auto_preference: ClassVar[int] = 100
 
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
         self.group = group
         self.spec = spec
         self.group_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.handle_records: Any = None
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        """Why this backend cannot run in this process (what is missing, how to fix it), or None when it can."""
+        """Returns why this backend cannot run in this process (what is missing, how to fix it), or None when it
+        can."""
 
     @classmethod
-    def deterministic_order_problem(cls, host_sync: bool) -> Optional[str]:
-        """Why deterministic mode cannot order received rows, with or without ``host_sync``, on this backend as
-        installed, or None when it can."""
+    def deterministic_order_unavailable_reason(cls, host_sync: bool) -> Optional[str]:
+        """Returns why deterministic mode cannot order received rows, with or without ``host_sync``, on this backend
+        as installed, or None when it can."""
 
     @abstractmethod
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
@@ -226,41 +274,61 @@ class DispatchBackend(ABC):
         """Sends each token to the ranks hosting its selected experts.
 
         Args:
-            x: ``[T, H]`` hidden states, or an FP8 pair ``(x_fp8 [T, H], scales [T, S])`` passed through.
-            topk_idx: ``[T, K]`` contiguous int64 global expert ids, ``-1`` = no selection.
-            topk_weights: ``[T, K]`` contiguous fp32 routing weights, or None.
-            config: What the dispatch does.
+            x: ``[T, H]`` hidden states in one of ``limits.dispatch_dtypes``, or an FP8 pair ``(x_fp8 [T, H] float8,
+                scales [T, S] fp32 | int32)`` passed through; ``T <= spec.num_max_tokens_per_rank``.
+            topk_idx: ``[T, K]`` int64 global expert ids in ``[0, num_experts)``, ``-1`` = no selection.
+            topk_weights: ``[T, K]`` fp32 routing weights, or None.
+            config: What the dispatch does (layout, alignment, host sync, determinism).
             num_experts: Global number of experts, a multiple of the group size.
             streams: How it orders the communication stream.
 
         Returns:
-            The received rows, ids (compact only) and weights as sent, and the handle.
+            ``recv_x`` ``[N, H]`` (an FP8 pair for one), compact ``recv_topk_idx`` ``[N, K]`` int64 local ids (None for
+            expand), ``recv_topk_weights`` as sent (compact ``[N, K]``, expand ``[N]``; fp32, None without weights)
+            and the handle. ``N`` is exact with host sync, else the worst case with valid rows first.
         """
 
     @abstractmethod
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                         streams: Streams = SYNC) -> DispatchResult:
-        """Repeats the routing of ``handle`` for new ``[T, H]`` data, without host sync, in its layout."""
+        """Repeats the routing of ``handle`` for new data, without host sync, in its layout and order.
+
+        Args:
+            x: ``[handle.num_tokens, H]`` rows (dtype as :meth:`dispatch`).
+            handle: Handle of the dispatch whose routing is repeated.
+            topk_weights: ``[T, K]`` fp32 weights, or None.
+            streams: How it orders the communication stream.
+
+        Returns:
+            As :meth:`dispatch`, ``recv_x`` with ``handle.num_recv_rows`` rows; the same ``handle``.
+        """
 
     @abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 streams: Streams = SYNC) -> CombineOutput:
-        """Sums every token's expert outputs back on the rank the token came from.
+        """Sums every token's expert outputs back on the rank the token came from (unweighted).
 
         Args:
-            x: Rows in the receive layout of ``handle`` (compact ``[N, H]``, expand ``[N_expanded, H]``).
+            x: ``[handle.num_recv_rows, H]`` rows in the receive layout of ``handle``, in one of
+                ``limits.combine_dtypes``; rows past the valid ones are ignored.
             handle: Handle of the dispatch being reversed.
-            topk_weights: Weights in the receive layout (``[N, K]`` / ``[N_expanded]``), gathered back per slot.
+            topk_weights: fp32 weights in the receive layout (compact ``[N, K]``, expand ``[N]``), or None.
             streams: How it orders the communication stream.
+
+        Returns:
+            ``x`` ``[handle.num_tokens, H]`` in ``x``'s dtype, and with ``topk_weights`` the ``[T, K]`` fp32 weights
+            gathered back per top-k slot (else None).
         """
 
     @abstractmethod
     def device_counts(self, handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens_per_expert, num_valid_rows)`` of ``handle`` on the device (see :class:`DispatchHandle`)."""
+        """Returns ``(tokens_per_expert [E_local] int64, num_valid_rows 0-dim int64)`` of ``handle``, on the rows'
+        device, without a host sync (see :class:`DispatchHandle`)."""
 
     @abstractmethod
     def host_counts(self, handle: DispatchHandle) -> list[int]:
-        """Alignment-padded rows per local expert of a host-sync dispatch, as the dispatch read them."""
+        """Returns the alignment-padded rows per local expert (``E_local`` ints) of a host-sync dispatch, as the
+        dispatch read them."""
 
     num_bytes: int = 0  #: device memory the buffer holds for its lifetime, in bytes (0: allocated per call)
 

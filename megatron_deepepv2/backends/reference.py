@@ -42,7 +42,9 @@ import torch.distributed as dist
 from megatron_deepepv2.failures import all_reduce_max, run_collective
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
-from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, rows_past_valid, worst_case_recv_rows
+from megatron_deepepv2.backends.registry import register_backend
+from megatron_deepepv2.layout import (ExpertLayout, HiddenStates, align_up, rows_past_valid, split_hidden,
+                                      worst_case_recv_rows)
 
 
 @dataclass(eq=False)
@@ -207,6 +209,7 @@ def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
 
+@register_backend
 class ReferenceBackend(DispatchBackend):
     """Dispatch/combine over ``torch.distributed.all_to_all_single`` (gloo, NCCL).
 
@@ -359,10 +362,9 @@ class ReferenceBackend(DispatchBackend):
         """Moves received compact rows (and their weights) into the expand layout of ``plan``; padding rows are
         zero with ``zero_padding``, else NaN (unspecified by the contract)."""
         padding = 0 if zero_padding else 0xFF
-        if isinstance(recv_x, tuple):
-            recv_x = tuple(self._to_expanded(t, plan, padding) for t in recv_x)
-        else:
-            recv_x = self._to_expanded(recv_x, plan, padding)
+        rows, scales = split_hidden(recv_x)
+        rows = self._to_expanded(rows, plan, padding)
+        recv_x = rows if scales is None else (rows, self._to_expanded(scales, plan, padding))
         if recv_weights is not None:
             recv_weights = self._expanded_weights(recv_weights, plan, 0.0 if zero_padding else math.nan)
         return recv_x, recv_weights
@@ -378,8 +380,9 @@ class ReferenceBackend(DispatchBackend):
     def dispatch(self, x: HiddenStates, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                  config: DispatchConfig, num_experts: int, streams: Streams = SYNC) -> DispatchResult:
         layout, expert_alignment, host_sync = config.layout, config.expert_alignment, config.host_sync
-        is_fp8 = isinstance(x, tuple)
-        data = list(x) if is_fp8 else [x]
+        rows, scales = split_hidden(x)
+        is_fp8 = scales is not None
+        data = [rows, scales] if is_fp8 else [rows]
         num_tokens = topk_idx.shape[0]
         num_local_experts = num_experts // self.group_size
         device = topk_idx.device
@@ -475,8 +478,9 @@ class ReferenceBackend(DispatchBackend):
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                         streams: Streams = SYNC) -> DispatchResult:
         plan: _RoutingPlan = handle.native
-        is_fp8 = isinstance(x, tuple)
-        data = list(x) if is_fp8 else [x]
+        rows, scales = split_hidden(x)
+        is_fp8 = scales is not None
+        data = [rows, scales] if is_fp8 else [rows]
         token = plan.send_token_index
         payload = [_take_rows(t, token) for t in data]
         if topk_weights is not None:

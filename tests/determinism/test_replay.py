@@ -34,8 +34,7 @@ def _ops_run(rank: int, world: int, layout: str, dtype: torch.dtype):
         x = problem.x[rows].clone().requires_grad_()
         w = problem.topk_weights[rows].clone().requires_grad_()
         experts = problem.expert_weights[rank * local:(rank + 1) * local].clone().requires_grad_()
-        out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout=layout, expert_alignment=4,
-                           zero_padding=layout == "expand")
+        out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout=layout, expert_alignment=4)
         if layout == "expand":
             y = experts_on_expand(out.recv_x, out.recv_topk_weights, out.handle.tokens_per_expert_list, experts)
         else:
@@ -171,7 +170,7 @@ def test_no_host_sync_moe_layer_replays_bit_exact() -> None:
 def _gpu_skip_reason() -> str | None:
     if torch.cuda.device_count() < 1:
         return "ElasticBuffer replays need a CUDA GPU (found none)"
-    from megatron_deepepv2.backends import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
 
     return DeepEPBackend.unavailable_reason()
 

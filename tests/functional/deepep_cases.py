@@ -26,13 +26,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import megatron_deepepv2 as dv2  # noqa: E402
-from megatron_deepepv2.backends import (  # noqa: E402
-    BufferSpec,
-    DeepEPBackend,
-    DispatchConfig,
-    ExpertLayout,
-    ReferenceBackend,
-)
+from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
+from megatron_deepepv2.backends.deepep import DeepEPBackend
+from megatron_deepepv2.layout import ExpertLayout
+from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.config import DeepepV2Settings  # noqa: E402
 from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
 from tools._bench import median_us  # noqa: E402
@@ -104,8 +101,7 @@ def layouts_match_reference() -> None:
                     if fp8:
                         scales = torch.rand(x.shape[0], hidden // 128, device="cuda") + 0.5
                         data = ((x.float() / 4).to(torch.float8_e4m3fn), scales)
-                    config = DispatchConfig(DeepEPBackend, settings, layout, alignment,
-                                            zero_padding=layout is ExpertLayout.EXPAND)
+                    config = DispatchConfig(DeepEPBackend, settings, layout, alignment)
                     got = deepep.dispatch(data, idx, w, config, experts)
                     want = reference.dispatch(data, idx, w, config, experts)
                     tag = f"{layout.value}/align{alignment}/fp8={fp8}"
@@ -170,8 +166,7 @@ def _ops_run(backend: str, layout: str, inputs=None, host_sync: bool = True, fp8
     x, idx, w, grad = inputs if inputs is not None else _ops_inputs()
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
-    out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1,
-                       zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024,
+    out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1, backend=backend, num_max_tokens_per_rank=1024,
                        host_sync=host_sync, fp8_dispatch=fp8_dispatch, **flags)
     if layout == "expand":
         y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
@@ -345,9 +340,9 @@ def no_host_sync_matches_reference_without_syncs() -> None:
                               results[("reference", layout)]):
             exact(f"no-host-sync {layout} {name}", a, b)
     x, idx, w = make_routing(tokens_for_rank(dist.get_world_size(), 256), 1024, 32, 8, seed=23 + RANK)
-    got = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep",
+    got = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, backend="deepep",
                        num_max_tokens_per_rank=1024, host_sync=False)
-    want = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True,
+    want = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16,
                         backend="reference", num_max_tokens_per_rank=1024, host_sync=False)
     exact("tokens_per_expert", got.tokens_per_expert, want.tokens_per_expert)
     exact("num_valid_rows", got.handle.num_valid_rows, want.handle.num_valid_rows)
@@ -385,7 +380,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
     ours = DeepEPBackend(group, BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=t_max,
                                            settings=settings))
     deep_ep = sys.modules["deep_ep"]
-    theirs = getattr(deep_ep, ours.line_calls.line.buffer_class)(
+    theirs = getattr(deep_ep, ours.line.buffer_class)(
         group, **buffer_size_arguments(t_max, hidden, topk), deterministic=True, allow_hybrid_mode=False,
         allow_multiple_reduction=True, explicitly_destroy=True)
     checked = 0
@@ -399,7 +394,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
                 want_x, want_idx, want_w, want_handle, _ = theirs.dispatch(
                     x, topk_idx=idx, topk_weights=w, num_experts=experts, num_max_tokens_per_rank=t_max,
                     expert_alignment=alignment, num_sms=ours.num_sms, do_expand=expand, do_zero_padding=config.padded,
-                    do_cpu_sync=True, **dict(ours.line_calls.dispatch_kwargs))
+                    do_cpu_sync=True, **dict(ours.line.dispatch_kwargs))
                 rows = want_x.shape[0]
                 assert int(got.handle.num_valid_rows) == rows, (tag, int(got.handle.num_valid_rows), rows)
                 exact(f"{tag} rows", got.recv_x[:rows], want_x)
@@ -424,7 +419,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
                 grad = (x.float() * 2).to(torch.bfloat16)
                 got_g = ours.cached_dispatch(grad, got.handle).recv_x
                 want_g = theirs.dispatch(grad, handle=want_handle, num_sms=want_handle.num_sms, do_expand=expand,
-                                         do_zero_padding=expand, **dict(ours.line_calls.dispatch_kwargs))[0]
+                                         do_zero_padding=expand, **dict(ours.line.dispatch_kwargs))[0]
                 exact(f"{tag} cached dispatch", got_g[:rows], want_g)
                 checked += 1
         # What ordering adds to a dispatch without host sync (compact and expand, the random routing), called eagerly
@@ -696,7 +691,7 @@ def ops_graph_replay_equals_eager() -> None:
     for backend in ("reference", "deepep"):
         for async_finish, alloc in ((False, False), (True, True)):
             def step(xin):
-                out = dv2.dispatch(xin, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True,
+                out = dv2.dispatch(xin, idx, w, 32, layout="expand", expert_alignment=16,
                                    backend=backend, num_max_tokens_per_rank=1024, host_sync=False,
                                    async_finish=async_finish, allocate_on_comm_stream=alloc)
                 y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
@@ -722,8 +717,7 @@ def host_sync_dispatch_in_graph_capture_raises() -> None:
     """A dispatch with host sync inside CUDA-graph capture raises at once (DeepEP would spin in its CPU wait until its
     300 s timeout for counts the captured kernels never write); without host sync the capture works."""
     x, idx, w, _ = _ops_inputs()
-    kwargs = dict(backend="deepep", num_max_tokens_per_rank=1024, layout="expand", expert_alignment=16,
-                  zero_padding=True)
+    kwargs = dict(backend="deepep", num_max_tokens_per_rank=1024, layout="expand", expert_alignment=16)
     dv2.dispatch(x, idx, w, 32, **kwargs)  # builds the buffer, eagerly
     torch.cuda.synchronize()
     for check_ids in (True, False):  # Megatron's layers skip the id check (ids valid by construction)
@@ -785,8 +779,7 @@ def no_host_sync_combine_backward_tail_rows_are_zero() -> None:
             poison = torch.full((1 << 29,), float("nan"), dtype=torch.bfloat16, device="cuda")
             del poison  # the allocator's cached 1 GiB block now holds NaNs
             bias = torch.zeros(x.shape[1], dtype=torch.bfloat16, device="cuda", requires_grad=True)
-            out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1,
-                               zero_padding=layout == "expand", backend=backend, num_max_tokens_per_rank=1024,
+            out = dv2.dispatch(x, idx, w, 32, layout=layout, expert_alignment=16 if layout == "expand" else 1, backend=backend, num_max_tokens_per_rank=1024,
                                host_sync=False)
             grads = {}
             y = out.recv_x + bias
@@ -853,7 +846,7 @@ def micro_batches_in_flight_across_rebuilds() -> None:
         for i, tokens in enumerate((64, 200, 48, 700)):  # capacity 128, then 256 and 1024: two rebuilds
             x, idx, w = make_routing(tokens + 3 * RANK, 1024, 32, 8, seed=50 + i + RANK)
             x, w = x.requires_grad_(), w.requires_grad_()
-            out = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True,
+            out = dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16,
                                backend=backend)
             y = out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype)
             steps.append((x, w, dv2.combine(y, out.handle)))
@@ -873,10 +866,10 @@ def micro_batches_in_flight_across_rebuilds() -> None:
     del got, want
     # No dispatch releases them (nothing runs per call for retired buffers); the next build on the group does.
     x, idx, w = make_routing(16, 1024, 32, 8, seed=60 + RANK)
-    dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep")
+    dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, backend="deepep")
     assert len([b for b in buffers.retired_buffers() if b.name == "deepep"]) == retired_while_pending
     x, idx, w = make_routing(16, 2048, 32, 8, seed=60 + RANK)
-    dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep")
+    dv2.dispatch(x, idx, w, 32, layout="expand", expert_alignment=16, backend="deepep")
     assert not [b for b in buffers.retired_buffers() if b.name == "deepep"], buffers.retired_buffers()
     dv2.destroy_buffers()
 
@@ -938,7 +931,7 @@ def fp8_dispatch_matches_reference() -> None:
     x, idx, w, _ = inputs
 
     def step(xin: torch.Tensor) -> torch.Tensor:
-        out = dv2.dispatch(xin, idx, w, 32, layout="expand", expert_alignment=16, zero_padding=True, backend="deepep",
+        out = dv2.dispatch(xin, idx, w, 32, layout="expand", expert_alignment=16, backend="deepep",
                            num_max_tokens_per_rank=1024, host_sync=False, fp8_dispatch=True)
         return dv2.combine(out.recv_x * out.recv_topk_weights.unsqueeze(1).to(out.recv_x.dtype), out.handle)
 

@@ -57,9 +57,11 @@ def test_every_ratio_names_measured_variants() -> None:
 def test_the_raw_buffer_is_read_from_the_backend_in_one_place() -> None:
     buffer = object()
     # The backend keeps the extra arguments with the calls of its DeepEP line.
-    with_line = SimpleNamespace(buffer=buffer, line_calls=SimpleNamespace(dispatch_kwargs=(("do_handle_copy", False),)),
-                                num_sms=0)
-    assert bench_hot_path._raw_buffer(SimpleNamespace(buffer=with_line)) == (buffer, {"do_handle_copy": False}, 0)
+    line = SimpleNamespace(dispatch_kwargs=(("do_handle_copy", False),), num_sms=lambda requested: requested + 1)
+    handle = SimpleNamespace(buffer=SimpleNamespace(buffer=buffer, line=line),
+                             config=SimpleNamespace(settings=SimpleNamespace(num_sms=7)))
+    # The SM count is the line's for the configuration's (a per-call argument of DeepEP).
+    assert bench_hot_path._raw_buffer(handle) == (buffer, {"do_handle_copy": False}, 8)
 
 
 @pytest.mark.parametrize("host_sync", [True, False])

@@ -30,7 +30,7 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     kept = [_dispatch(1, hidden=8) for _ in range(3)]
     for _ in range(300):
         _dispatch(1, hidden=8)
-    records = buffers._handles[first].refs
+    records = first.handle_records.refs
     assert len(records) <= 2 * buffers._PRUNE_AT, len(records)
     assert {id(ref()) for ref in records if ref() is not None} == {id(result.handle) for result in kept}
     del kept
@@ -38,13 +38,19 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     second = _dispatch(2, hidden=16).handle.buffer
     assert second is not first and second.spec.hidden == 16 and second.spec.num_max_tokens_per_rank == 8
     assert _dispatch(2, hidden=8).handle.buffer is first and stats.builds == 2
+    # The SM count is a per-call argument, not a build argument: another one shares the buffer, builds nothing.
+    assert _dispatch(2, hidden=8, num_sms=12).handle.buffer is first and stats.builds == 2
+    # Hybrid mode is a construction argument (BUILD_AGREEMENT): another value is a buffer of its own.
+    hybrid_off = _dispatch(2, hidden=8, allow_hybrid_mode=False).handle.buffer
+    assert hybrid_off is not first and hybrid_off.spec.key == (8, 2, False, False) and stats.builds == 3
+    assert first.spec.key == (8, 2, False, None)  # hidden size, top-k, FP8, allow_hybrid_mode
     # Top-k is part of the key too.
     third = _dispatch(2, hidden=16, topk=3).handle.buffer
-    assert third is not second and stats.builds == 3
+    assert third is not second and stats.builds == 4
     # A batch above the capacity on every rank grows that key's buffer to the max over ranks (power of two).
     fourth = _dispatch(9 + rank * 10, hidden=16, topk=3).handle.buffer
     assert fourth.spec.num_max_tokens_per_rank == 32 and stats.rebuilds == 1
-    assert buffers.active_buffers() == [first, second, fourth]
+    assert buffers.active_buffers() == [first, second, hybrid_off, fourth]
     # The superseded buffer is kept while handles use it (none here: the dispatch's result is gone); no dispatch
     # releases it (nothing runs per call for retired buffers), the next build on the group does, on every rank.
     assert buffers.retired_buffers() == [third]
@@ -81,7 +87,7 @@ def _configured_capacity_worker(rank: int, world: int) -> None:
 
 def test_buffer_reused_rebuilt_grown_and_destroyed() -> None:
     results = run_distributed(_lifecycle_worker, 2)
-    assert results == [{"builds": 5}, {"builds": 5}]
+    assert results == [{"builds": 6}, {"builds": 6}]
 
 
 def test_growth_with_one_rank_exceeding_under_validation() -> None:
@@ -132,14 +138,14 @@ def _memo_worker(rank: int, world: int, configured: bool) -> list[int]:
     from megatron_deepepv2 import validation
 
     checked: list[int] = []
-    original = validation.check_dispatch_inputs
+    original = validation.dispatch_inputs_problem
 
     def counting(x, *args, **kwargs):
         checked.append(x.shape[0])
         return original(x, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(validation, "check_dispatch_inputs", counting)
+        patch.setattr(validation, "dispatch_inputs_problem", counting)
         kwargs = {"num_max_tokens_per_rank": 32} if configured else {}
         # Variable-length batches (the same on every rank, so that a learnt capacity grows on all together).
         backends = [_dispatch(tokens, hidden=8, **kwargs).handle.buffer for tokens in (5, 17, 3, 32, 0, 11, 8)]
@@ -178,7 +184,7 @@ def _release_worker(rank: int, world: int) -> dict:
     import pytest
     import torch.distributed as dist
 
-    from megatron_deepepv2.backends import ReferenceBackend
+    from megatron_deepepv2.backends.reference import ReferenceBackend
 
     reduces: list[int] = []
     destroyed: list[ReferenceBackend] = []

@@ -503,7 +503,8 @@ def install_deep_ep_with_handle(monkeypatch: pytest.MonkeyPatch, handle_class: O
 
 def use_stand_in_backend(line: str = "2.1") -> None:
     """Makes ``backend="deepep"`` run the adapter over a line's stand-in, on CPU tensors of any dtype (in a rank)."""
-    from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.reference import ReferenceBackend
 
     _install_fake(line)
     DeepEPBackend.unavailable_reason = classmethod(lambda cls: None)
@@ -515,7 +516,10 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
     stand_in = STAND_INS[line][1]
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ExpertLayout, ReferenceBackend, Streams
+    from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig, Streams
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.layout import ExpertLayout
+    from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
 
     derived = []  # one entry per derivation of device counts from DeepEP's prefix sums
@@ -524,7 +528,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     spec = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=32, settings=DeepepV2Settings(num_sms=23))
     sms = 24 if line == "V2.5" else 23  # V2.5 runs an even count; the backend rounds it itself
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
-    assert isinstance(backend.buffer, stand_in) and backend.num_sms == sms
+    assert isinstance(backend.buffer, stand_in) and backend.line.num_sms(23) == sms
     assert backend.buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
     problem = make_problem(41, [7, 0, 5, 9][:world], 8, 8, 3, dtype=torch.float32)
     rows = problem.rows(rank)
@@ -532,7 +536,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     for layout, host_sync in [(layout, sync) for layout in ExpertLayout for sync in (True, False)]:
         # The settings of the buffer above: the autograd ops below get theirs from the buffer registry.
         settings = DeepepV2Settings(host_sync=host_sync, num_sms=23, num_max_tokens_per_rank=32)
-        config = DispatchConfig(DeepEPBackend, settings, layout, 4, layout is ExpertLayout.EXPAND)
+        config = DispatchConfig(DeepEPBackend, settings, layout, 4)
         derived.clear()
         got, want = backend.dispatch(x, idx, w, config, 8), reference.dispatch(x, idx, w, config, 8)
         valid = int(want.handle.num_valid_rows)
@@ -595,7 +599,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     DeepEPBackend.device_counts = count_from_psum
     # FP8 pairs pass through as pairs, bytes unchanged.
     fp8 = (x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], 2, generator=torch.Generator().manual_seed(rank)))
-    config = DispatchConfig(DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=4, zero_padding=True)
+    config = DispatchConfig(DeepEPBackend, layout=ExpertLayout.EXPAND, expert_alignment=4)
     got, want = backend.dispatch(fp8, idx, w, config, 8), reference.dispatch(fp8, idx, w, config, 8)
     assert isinstance(got.recv_x, tuple) and got.recv_x[0].dtype == torch.float8_e4m3fn
     assert torch.equal(in_dense_order(got.recv_x[0].view(torch.uint8), got.handle.native),
@@ -610,12 +614,15 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     default): every adapter call must still pass DeepEP's check, and the user's setting must come back."""
     use_stand_in_backend(line)
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ExpertLayout, ReferenceBackend, Streams
+    from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig, Streams
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.layout import ExpertLayout
+    from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
 
     settings = DeepepV2Settings(num_sms=24, deterministic=True, host_sync=True, num_max_tokens_per_rank=16)
     spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=16, settings=settings)
-    config = DispatchConfig(DeepEPBackend, settings, ExpertLayout.EXPAND, expert_alignment=2, zero_padding=True)
+    config = DispatchConfig(DeepEPBackend, settings, ExpertLayout.EXPAND, expert_alignment=2)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
     assert backend.buffer.ctor["deterministic"] is False  # the backend orders the rows itself
     problem = make_problem(43, [5, 3], 8, 4, 2, dtype=torch.float32)
@@ -669,7 +676,9 @@ def _caller_reuses_topk_idx(rank: int, world: int) -> str:
     """V2.5's handle keeps the ``topk_idx`` it is given: a caller that refills its tensor before the backward (as the
     next replay of a CUDA graph refills its static inputs) must not change the routing of a pending combine."""
     _install_fake("V2.5")
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ReferenceBackend
+    from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.reference import ReferenceBackend
 
     spec, config = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=16), DispatchConfig(DeepEPBackend)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
@@ -704,7 +713,9 @@ def _backend_order_worker(rank: int, world: int, line: str) -> int:
     """The backend's calls in deterministic mode, with and without host sync and hybrid mode: the valid received rows,
     weights, compact ids, a cached dispatch, and a combine with weights of distinct rows, against the dense oracle."""
     use_stand_in_backend(line)
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ExpertLayout
+    from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 
     oracle = DenseExchange(group_of(), CAPACITY)
@@ -828,7 +839,9 @@ def test_deterministic_mode_through_the_autograd_ops_is_the_same_with_and_withou
 
 def _scrambled_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend, DispatchConfig, ExpertLayout
+    from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 
     backend = DeepEPBackend(group_of(), BufferSpec(hidden=HIDDEN, num_topk=TOPK, num_max_tokens_per_rank=CAPACITY))

@@ -15,7 +15,7 @@ def test_demo_compares_fp8_with_bf16_dispatch() -> None:
     """``--fp8-dispatch``: the deepepv2 layer trained with BF16 (the demo's own run, which must match alltoall's loss
     trajectory) and with FP8 dispatch; the curves stay within the tolerance and the received rows' quantisation error
     is reported. (``make demo`` as written runs in test_readme.)"""
-    done = subprocess.run([preloaded_python.python(), "-m", "megatron_deepepv2.demo", "--steps", "4", "--cpu", "--fp8-dispatch"],
+    done = subprocess.run([preloaded_python.python(), "-m", "megatron_deepepv2.cli.demo", "--steps", "4", "--cpu", "--fp8-dispatch"],
                           capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
@@ -37,7 +37,7 @@ def test_demo_sets_ep_disable_gin_for_gpu_ranks_without_an_rdma_nic(monkeypatch:
     one INFO line when the demo set the variable."""
     import torch
 
-    from megatron_deepepv2 import demo, doctor
+    from megatron_deepepv2.cli import demo, doctor
 
     launched: list = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -50,7 +50,7 @@ def test_demo_sets_ep_disable_gin_for_gpu_ranks_without_an_rdma_nic(monkeypatch:
         monkeypatch.delenv(name)
     if user_value is not None:
         monkeypatch.setenv("EP_DISABLE_GIN", user_value)
-    caplog.set_level(logging.INFO, logger="megatron_deepepv2.doctor")
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.cli.doctor")
 
     assert demo.main(["--steps", "1", *argv]) == 0
     assert launched == [expected]

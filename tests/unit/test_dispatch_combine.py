@@ -30,7 +30,7 @@ def _roundtrip(rank: int, world: int, layout: str, alignments: list[int], dtype:
         mine = slice(rank * local_experts, (rank + 1) * local_experts)
         local_w = problem.expert_weights[mine].clone().requires_grad_()
 
-        result = dv2.dispatch(x, idx, w, EXPERTS, layout=layout, expert_alignment=alignment, zero_padding=layout == "expand")
+        result = dv2.dispatch(x, idx, w, EXPERTS, layout=layout, expert_alignment=alignment)
         counts = result.handle.tokens_per_expert_list
         # Oracle: every token of every rank that selected each local expert, padded to the alignment.
         selected = [int((problem.topk_idx == expert).sum()) for expert in range(mine.start, mine.stop)]
@@ -96,7 +96,7 @@ def test_dispatch_config_resolved_once_and_foreign_weight_mask_optional() -> Non
 
 
 def test_dispatch_config_runs_the_backend_mode_checks_when_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2.backends import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
     from tests.unit.test_deepep_adapter import EPHandle, install_deep_ep_with_handle
 
     class HandleWithoutMetadata:  # a DeepEP whose handle keeps none of what the sync-free order reads
@@ -118,22 +118,21 @@ def test_dispatch_config_runs_the_backend_mode_checks_when_resolved(monkeypatch:
     assert not dv2.resolve_config(backend="deepep", host_sync=False, deterministic=True).host_sync
 
 
-def test_zero_padding_is_a_request_and_padding_follows_the_alignment() -> None:
-    """Padding rows exist (and are zero) exactly when expand blocks are aligned past 1; asking for zero padding
-    without padding changes nothing, and a configuration built directly is checked when it is bound."""
-    import torch.distributed as dist
+def test_padding_follows_the_alignment_and_a_configuration_is_checked_when_built() -> None:
+    """Padding rows exist (and are zero) exactly when expand blocks are aligned past 1; the removed zero_padding
+    argument is refused saying so; a configuration built directly is checked at construction, as a resolved one."""
+    from megatron_deepepv2.backends.base import DispatchConfig
+    from megatron_deepepv2.backends.reference import ReferenceBackend
+    from megatron_deepepv2.layout import ExpertLayout
 
-    from megatron_deepepv2 import ops
-    from megatron_deepepv2.backends import DispatchConfig, ExpertLayout, ReferenceBackend
-
-    assert not dv2.resolve_config(backend="reference", layout="expand", expert_alignment=1, zero_padding=True).padded
+    assert not dv2.resolve_config(backend="reference", layout="expand", expert_alignment=1).padded
     assert dv2.resolve_config(backend="reference", layout="expand", expert_alignment=4).padded
     assert not dv2.resolve_config(backend="reference", layout="compact", expert_alignment=4).padded
     assert DispatchConfig(ReferenceBackend, layout=ExpertLayout.EXPAND, expert_alignment=4).padded
-    with pytest.raises(ValueError, match="zero_padding=False with layout='expand' and expert_alignment=4"):
+    with pytest.raises(TypeError, match="zero_padding: the expand layout's padding rows are always zero"):
         dv2.resolve_config(backend="reference", layout="expand", expert_alignment=4, zero_padding=False)
-    for built, phrase in ((DispatchConfig(ReferenceBackend, layout=ExpertLayout.EXPAND, expert_alignment=4,
-                                          zero_padding=False), "zero_padding=False"),
-                          (DispatchConfig(ReferenceBackend, expert_alignment=0), "expert_alignment=0")):
-        with pytest.raises(ValueError, match=phrase):
-            ops.Dispatcher(built, dist.group.WORLD if dist.is_initialized() else None, 8)
+    for alignment in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"expert_alignment={alignment!r} must be an integer >= 1"):
+            DispatchConfig(ReferenceBackend, expert_alignment=alignment)
+        with pytest.raises(ValueError, match=f"expert_alignment={alignment!r} must be an integer >= 1"):
+            dv2.resolve_config(backend="reference", expert_alignment=alignment)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from megatron_deepepv2.doctor import (
+from megatron_deepepv2.cli.doctor import (
     FAIL,
     OK,
     Probes,
@@ -150,7 +150,7 @@ NIC = ["/sys/class/infiniband/mlx5_0"]
 
 
 def _gin_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "megatron_deepepv2.doctor" and "EP_DISABLE_GIN=1" in r.getMessage()]
+    return [r for r in caplog.records if r.name == "megatron_deepepv2.cli.doctor" and "EP_DISABLE_GIN=1" in r.getMessage()]
 
 
 @pytest.mark.parametrize("environ,nics,expected", [
@@ -162,7 +162,7 @@ def _gin_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 ])
 def test_launchers_disable_gin_only_on_a_node_without_an_rdma_nic(caplog: pytest.LogCaptureFixture, environ: dict,
                                                                    nics: list, expected) -> None:
-    caplog.set_level(logging.INFO, logger="megatron_deepepv2.doctor")
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.cli.doctor")
     env = dict(environ)
     set_here = "EP_DISABLE_GIN" not in environ and not nics
     for _ in range(2):  # a second call (a launcher inside a launcher) changes nothing and says nothing
@@ -176,7 +176,7 @@ def test_launchers_disable_gin_only_on_a_node_without_an_rdma_nic(caplog: pytest
 
 
 def test_the_launchers_and_the_doctor_ask_one_rdma_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2 import doctor
+    from megatron_deepepv2.cli import doctor
 
     assert Probes().rdma_devices is find_rdma_devices
     monkeypatch.setattr(doctor, "find_rdma_devices", lambda: NIC)  # the default probe is looked up at each call

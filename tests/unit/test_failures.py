@@ -18,7 +18,8 @@ import torch
 
 import megatron_deepepv2 as dv2
 from megatron_deepepv2 import failures
-from megatron_deepepv2.backends import ReferenceBackend
+from megatron_deepepv2.backends.reference import ReferenceBackend
+from megatron_deepepv2.groups import state_of
 from tests.distributed import run_distributed
 
 T, H, E, K = 6, 8, 8, 2
@@ -224,7 +225,7 @@ def _linger_then_grow(rank: int, world: int, in_agreement: bool) -> tuple[int, b
                     works.append(work)
                 if len(works) == lingering_in and not saw_the_build:
                     deadline = time.monotonic() + 20
-                    build = failures._rendezvous_key(group, f"build-{failures._builds[group] + 1}")
+                    build = failures._rendezvous_key(group, f"build-{state_of(group).builds + 1}")
                     while not store.check([build]) and time.monotonic() < deadline:
                         time.sleep(0.005)
                     saw_the_build.append(store.check([build]))

@@ -82,7 +82,7 @@ def _fp8_case(rank: int, world: int, layout: str, host_sync: bool) -> None:
     x = problem.x[rows].to(torch.bfloat16).requires_grad_()
     w = problem.topk_weights[rows].clone().requires_grad_()
     experts = problem.expert_weights[mine].clone().requires_grad_()
-    kwargs = dict(layout=layout, expert_alignment=4 if layout == "expand" else 1, zero_padding=layout == "expand")
+    kwargs = dict(layout=layout, expert_alignment=4 if layout == "expand" else 1)
     out = dv2.dispatch(x, problem.topk_idx[rows], w, EXPERTS, fp8_dispatch=True, host_sync=host_sync, **kwargs)
     assert out.recv_x.dtype == torch.bfloat16 and out.handle.buffer.spec.fp8
     recv = out.recv_x.float()

@@ -264,11 +264,45 @@ HOT_PATH = "manager,ops,buffers,validation,backends.base,backends.deepep"
 
 
 def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
-    """From the Megatron manager down: at most 7 floors, no import back up, and the narrow hot path at most 1,650
-    lines, deterministic mode's ordering included (docstrings state contracts; reasons and measurements live in
-    docs/internals.md)."""
+    """From the Megatron manager down: at most 7 floors, no import back up, the narrow hot path at most 1,600 lines
+    at ordinary line lengths (120 columns), and no function in it longer than 60 lines (docstrings state contracts;
+    reasons and measurements live in docs/internals.md)."""
     out = tmp_path / "report.json"
     assert import_graph.main(["--roots", "manager", "--modules", HOT_PATH, "--json", str(out),
                               "--max-floors", "7", "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
-    assert report["line_counts"]["sum"]["total"] <= 1650, report["line_counts"]
+    assert report["line_counts"]["sum"]["total"] <= 1600, report["line_counts"]
+    package = Path(import_graph.DEFAULT_PACKAGE)
+    too_long = []
+    for module in HOT_PATH.split(","):
+        path = package / (module.replace(".", "/") + ".py")
+        text = path.read_text()
+        assert max(len(line) for line in text.splitlines()) <= 120, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
+
+
+#: The command-line tools: the cli subpackage and the compatibility entry points of their old commands.
+TOOLS = ("cli", "doctor", "install_deepep", "demo", "run")
+
+
+def test_the_library_stands_apart_from_its_tools(tmp_path, capsys):
+    """What a training step imports (the package's top module, ``install()`` included) stands in at most 7 floors
+    and reaches no tool; the whole package, tools on top, in at most 9; no import runs back up anywhere."""
+    out = tmp_path / "library.json"
+    assert import_graph.main(["--roots", "megatron_deepepv2", "--json", str(out), "--max-floors", "7",
+                              "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
+    reached = {name for floor in json.loads(out.read_text())["floors"] for name in floor["modules"]}
+    assert {"integration", "manager", "ops", "buffers", "backends.deepep", "backends.reference"} <= reached
+    assert not [name for name in reached if name.split(".")[0] in TOOLS], reached
+    whole = tmp_path / "package.json"
+    assert import_graph.main(["--json", str(whole), "--max-floors", "9", "--max-arrows-up", "0"]) == 0, \
+        capsys.readouterr().out
+    floors = json.loads(whole.read_text())["floors"]
+    tools_floor = min(number for number, floor in enumerate(floors, 1)
+                      if any(name.split(".")[0] in TOOLS and name not in ("cli", "cli.doctor", "cli.install_deepep",
+                                                                           "doctor", "install_deepep")
+                             for name in floor["modules"]))
+    assert tools_floor > 7, floors  # the tools that import the library stand above it

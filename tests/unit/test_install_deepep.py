@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 import pytest
 
-from megatron_deepepv2 import install_deepep
-from megatron_deepepv2.doctor import elf_needed_libraries
-from megatron_deepepv2.install_deepep import PTH_NAME, InstallError, Installer, InstallOptions, System, main
+from megatron_deepepv2.cli import install_deepep
+from megatron_deepepv2.cli.doctor import elf_needed_libraries
+from megatron_deepepv2.cli.install_deepep import PTH_NAME, InstallError, Installer, InstallOptions, System, main
 
 TORCH_NCCL = "/site/nvidia/nccl/lib/libnccl.so.2"
 
@@ -252,7 +252,7 @@ def test_source_built_nccl_then_deepep_then_doctor_and_a_rerun_does_nothing(tmp_
     build_env = machine.envs[machine.commands.index(pip_deepep)]
     assert build_env["CXX"] == "/usr/bin/g++" and build_env["EP_NCCL_ROOT_DIR"] == str(root)
     assert build_env["TORCH_CUDA_ARCH_LIST"] == "9.0" and build_env["LDSHARED"] == "/usr/bin/g++ -shared"
-    assert machine.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.doctor"]
+    assert machine.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.cli.doctor"]
 
     before = len(machine.commands)
     assert Installer(opts, machine.system()).run() == 0
@@ -522,7 +522,7 @@ def test_from_wheels_installs_on_a_bare_machine_without_building(tmp_path) -> No
     assert probe["mapped"] == [str(tmp_path / "env" / "share" / "megatron-deepepv2" / "nccl-2.30.7-sm90" / "nvidia"
                                    / "nccl" / "lib" / "libnccl.so.2")]
     assert probe["nccl"] == [2, 30, 7] and probe["buffers"] == ["ElasticBuffer", "Buffer"]
-    assert target.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.doctor"]
+    assert target.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.cli.doctor"]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -37,7 +37,7 @@ DEEP_EP_25 = {**DEEP_EP_21, "deep_ep/__init__.py": """
         from deep_ep.utils.event import EventHandle, EventOverlap
     """}
 
-# install() first, as `python -m megatron_deepepv2.run` does: Megatron's modules are imported after it.
+# install() first, as `python -m megatron_deepepv2.cli.run` does: Megatron's modules are imported after it.
 PROBE = textwrap.dedent("""
     import json, megatron_deepepv2
     report = megatron_deepepv2.install()

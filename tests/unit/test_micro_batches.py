@@ -40,8 +40,7 @@ def _in_flight(rank: int, world: int, backend: str, layout: str, order: str) -> 
         x = problem.x[rows].clone().requires_grad_()
         w = problem.topk_weights[rows].clone().requires_grad_()
         experts = problem.expert_weights[mine].clone().requires_grad_()
-        out = dv2.dispatch(x, problem.topk_idx[rows], w, EXPERTS, layout=layout, expert_alignment=4,
-                           zero_padding=layout == "expand")
+        out = dv2.dispatch(x, problem.topk_idx[rows], w, EXPERTS, layout=layout, expert_alignment=4)
         if layout == "expand":
             expert_out = experts_on_expand(out.recv_x, out.recv_topk_weights, out.handle.tokens_per_expert_list,
                                            experts)

@@ -58,7 +58,7 @@ def _roundtrip(rank: int, world: int, layout: str, alignment: int) -> None:
     rows = problem.rows(rank)
     mine = slice(rank * local, (rank + 1) * local)
     idx = problem.topk_idx[rows]
-    kwargs = dict(layout=layout, expert_alignment=alignment, zero_padding=layout == "expand")
+    kwargs = dict(layout=layout, expert_alignment=alignment)
 
     synced = dv2.dispatch(problem.x[rows], idx, problem.topk_weights[rows], EXPERTS, **kwargs)
     x = problem.x[rows].clone().requires_grad_()
@@ -155,16 +155,16 @@ def test_no_host_sync_setting_from_environment() -> None:
 def test_deepep_takes_no_host_sync_with_deterministic_where_its_handle_allows(monkeypatch) -> None:
     """Deterministic mode without host sync resolves on DeepEP when the installed handle exposes what the order reads,
     and is refused, naming it, when it does not."""
-    from megatron_deepepv2.backends import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
 
-    monkeypatch.setattr(DeepEPBackend, "deterministic_order_problem", classmethod(
+    monkeypatch.setattr(DeepEPBackend, "deterministic_order_unavailable_reason", classmethod(
         lambda cls, host_sync: None if host_sync else "EPHandle does not expose recv_src_metadata."))
     with pytest.raises(ValueError, match="without host sync is not available on the deepep backend as installed: "
                                          "EPHandle does not expose recv_src_metadata"):
         dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
     assert dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=False).host_sync is False
     assert dv2.resolve_config(backend=DeepEPBackend, host_sync=True, deterministic=True).settings.deterministic
-    monkeypatch.setattr(DeepEPBackend, "deterministic_order_problem", classmethod(lambda cls, host_sync: None))
+    monkeypatch.setattr(DeepEPBackend, "deterministic_order_unavailable_reason", classmethod(lambda cls, host_sync: None))
     config = dv2.resolve_config(backend=DeepEPBackend, host_sync=False, deterministic=True)
     assert config.settings.deterministic and not config.host_sync
 
@@ -305,7 +305,6 @@ def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -
 
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
-    from megatron_deepepv2 import validation
     from megatron_deepepv2.experts import sync_free_submodules
 
     class GroupedExperts(torch.nn.Module):
@@ -315,9 +314,8 @@ def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -
         sync_free_submodules(MoESubmodules(experts=GroupedExperts))
     assert dataclasses.is_dataclass(MoESubmodules)
     monkeypatch.setenv("MEGATRON_DEEPEPV2_EXPERTS", "grouped")
-    settings = dv2.DeepepV2Settings.from_env()  # read as given; the rules run where settings are used
     with pytest.raises(ValueError, match="MEGATRON_DEEPEPV2_EXPERTS: 'spec' for"):
-        validation.check_settings(settings)
+        dv2.DeepepV2Settings.from_env()  # the settings check their values when they are read
 
 
 def _graphs_left_after_a_step(rank: int, world: int, no_host_sync: bool) -> list[str]:
@@ -489,7 +487,7 @@ def _rebuild_with_micro_batches_in_flight(rank: int, world: int, layout: str) ->
         x = problem.x[rows].clone().requires_grad_()
         w = problem.topk_weights[rows].clone().requires_grad_()
         idx = problem.topk_idx[rows]
-        out = dv2.dispatch(x, idx, w, EXPERTS, layout=layout, expert_alignment=2, zero_padding=layout == "expand")
+        out = dv2.dispatch(x, idx, w, EXPERTS, layout=layout, expert_alignment=2)
         weights = out.recv_topk_weights.unsqueeze(1) if layout == "expand" else \
             out.recv_topk_weights.sum(dim=1, keepdim=True)
         return x, w, idx, problem.grad_out[rows], dv2.combine(out.recv_x * weights, out.handle)

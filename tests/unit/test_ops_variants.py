@@ -23,8 +23,7 @@ def _run_once(problem, rank: int, world: int, **flags):
     local = problem.num_experts // world
     x = problem.x[rows].clone().requires_grad_()
     w = problem.topk_weights[rows].to(torch.float64).clone().requires_grad_()  # cast to fp32 by the op
-    out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout="expand", expert_alignment=8,
-                       zero_padding=True, backend="deepep", **flags)
+    out = dv2.dispatch(x, problem.topk_idx[rows], w, problem.num_experts, layout="expand", expert_alignment=8, backend="deepep", **flags)
     y = experts_on_expand(out.recv_x, out.recv_topk_weights, out.handle.tokens_per_expert_list,
                           problem.expert_weights[rank * local:(rank + 1) * local])
     y = dv2.combine(y, out.handle, **flags)

@@ -163,7 +163,7 @@ def _deepep_usable() -> str | None:
 
     if not torch.cuda.is_available():
         return "the README's GPU blocks run on a GPU machine; no CUDA GPU here"
-    from megatron_deepepv2.backends import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
 
     return DeepEPBackend.unavailable_reason()
 
@@ -252,7 +252,7 @@ def test_readme_names_settings_paths_and_modules_that_exist() -> None:
     paths = set(re.findall(r"`((?:tools|tests|docs|examples|megatron_deepepv2)/[^`\s]*)", text))
     assert paths and not [path for path in paths if not (ROOT / path).exists()], paths
     modules = set(re.findall(r"python -m (megatron_deepepv2(?:\.\w+)*)", text))
-    assert "megatron_deepepv2.doctor" in modules
+    assert "megatron_deepepv2.cli.doctor" in modules
     assert not [name for name in modules if importlib.util.find_spec(name) is None], modules
 
 

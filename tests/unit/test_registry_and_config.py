@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2 import backends
-from megatron_deepepv2.backends import DeepEPBackend, ReferenceBackend, register_backend, resolve_backend
+from megatron_deepepv2.backends import registry
+from megatron_deepepv2.backends.deepep import DeepEPBackend
+from megatron_deepepv2.backends.reference import ReferenceBackend
+from megatron_deepepv2.backends.registry import register_backend, resolve_backend
 from megatron_deepepv2.backends.deepep import import_deep_ep
 from megatron_deepepv2.config import OTHER_VARIABLES, REMOVED_VARIABLES, DeepepV2Settings, setting_variables
-from megatron_deepepv2.validation import check_settings
 from tests.git_checkout import not_own_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +63,36 @@ def test_registering_a_taken_name_is_refused() -> None:
     class Impostor(ReferenceBackend):
         name = "reference"
 
+    class Auto(ReferenceBackend):
+        name = "auto"
+
     with pytest.raises(ValueError, match="already taken"):
         register_backend(Impostor)
+    with pytest.raises(ValueError, match="'auto' is reserved"):
+        register_backend(Auto)
+
+
+def test_auto_takes_the_usable_backend_of_lowest_preference_without_naming_any(monkeypatch: pytest.MonkeyPatch,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A registered backend takes part in ``auto`` by its ``auto_preference`` alone: preferred and usable, it is
+    chosen; preferred and unusable, it is passed over, its reason logged; nothing usable is an ImportError."""
+    class Preferred(ReferenceBackend):
+        name = "preferred-stand-in"
+        auto_preference = -1
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_auto_choice_logged", None)
+    register_backend(Preferred)
+    assert resolve_backend("auto") is Preferred
+    monkeypatch.setattr(Preferred, "unavailable_reason", classmethod(lambda cls: "no stand-in here"))
+    monkeypatch.setattr(DeepEPBackend, "unavailable_reason", classmethod(lambda cls: "no deep_ep here"))
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.backends")
+    assert resolve_backend("auto") is ReferenceBackend
+    said = [r.getMessage() for r in caplog.records if "resolved to 'reference'" in r.getMessage()]
+    assert said and "preferred-stand-in unavailable: no stand-in here" in said[0] and "deepep unavailable" in said[0]
+    monkeypatch.setattr(ReferenceBackend, "unavailable_reason", classmethod(lambda cls: "no gloo here"))
+    with pytest.raises(ImportError, match="found no usable backend.*reference unavailable: no gloo here"):
+        resolve_backend("auto")
 
 
 def test_settings_from_environment() -> None:
@@ -96,17 +125,24 @@ def test_settings_from_environment() -> None:
         ({"MEGATRON_DEEPEPV2_MANAGER": "mine"}, "is not one of plugin, native"),
     ],
 )
-def test_bad_environment_values_are_rejected(env: dict, message: str) -> None:
-    """A value its type cannot parse raises when read; one out of range when the settings are checked, which
-    resolving a configuration does."""
+def test_bad_environment_values_are_rejected_when_read(env: dict, message: str) -> None:
+    """A value its type cannot parse, or one out of range, raises when the settings are read."""
     with pytest.raises(ValueError, match=message):
-        check_settings(DeepepV2Settings.from_env(env))
+        DeepepV2Settings.from_env(env)
 
 
-@pytest.mark.parametrize("change", [{"num_sms": -1}, {"growth_timeout_s": 0}, {"experts": "dense"}])
-def test_resolving_a_configuration_checks_its_settings(change: dict) -> None:
-    with dv2.settings_override(**change), pytest.raises(ValueError, match=f"{next(iter(change))}="):
-        dv2.resolve_config(backend="reference")
+@pytest.mark.parametrize("change", [{"num_sms": -1}, {"growth_timeout_s": 0}, {"experts": "dense"},
+                                    {"num_max_tokens_per_rank": 0}, {"manager": "mine"}])
+def test_settings_are_checked_when_built_and_a_bad_change_leaves_them_as_they_were(change: dict) -> None:
+    """configure(), settings_override() and a settings object built directly all refuse a bad value at once; the
+    process-wide settings stay what they were."""
+    before = dv2.get_settings()
+    name = next(iter(change))
+    for build in (lambda: dv2.configure(**change), lambda: dv2.settings_override(**change).__enter__(),
+                  lambda: DeepepV2Settings(**change)):
+        with pytest.raises(ValueError, match=f"{name}="):
+            build()
+        assert dv2.get_settings() == before
 
 
 def test_the_no_host_sync_variable_is_the_inverse_of_host_sync() -> None:
@@ -131,7 +167,7 @@ def test_dispatch_without_config_resolves_once_per_arguments_and_settings() -> N
     first = ops._config_for(arguments)
     assert ops._config_for(dict(arguments)) is first  # resolved once, then carried
     assert first.settings.num_sms == dv2.get_settings().num_sms
-    expand = ops._config_for({"backend": "reference", "layout": "expand", "expert_alignment": 4, "zero_padding": True})
+    expand = ops._config_for({"backend": "reference", "layout": "expand", "expert_alignment": 4})
     assert expand.layout is dv2.ExpertLayout.EXPAND and expand.expert_alignment == 4
     # A settings change is seen by the next call (the cache belongs to the settings it was resolved under).
     with dv2.settings_override(num_sms=7, check_ids=False):
@@ -188,7 +224,7 @@ def test_import_deep_ep_accepts_both_deepep_v2_lines(monkeypatch: pytest.MonkeyP
 def test_auto_warns_when_it_falls_back_to_reference_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch,
                                                                      caplog: pytest.LogCaptureFixture,
                                                                      deepep_problem, gpu, chosen, level) -> None:
-    monkeypatch.setattr(backends, "_auto_choice_logged", None)
+    monkeypatch.setattr(registry, "_auto_choice_logged", None)
     monkeypatch.setattr(DeepEPBackend, "unavailable_reason", classmethod(lambda cls: deepep_problem))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     caplog.set_level(logging.INFO, logger="megatron_deepepv2.backends")

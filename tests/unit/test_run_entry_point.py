@@ -1,4 +1,4 @@
-"""``python -m megatron_deepepv2.run`` installs the plugin and runs a script unchanged."""
+"""``python -m megatron_deepepv2.cli.run`` installs the plugin and runs a script unchanged."""
 
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ def test_without_the_plugin_megatron_rejects_deepepv2(tmp_path: Path) -> None:
 def test_usage_errors(capsys: pytest.CaptureFixture) -> None:
     # In this process: a usage error returns before anything is imported (the exit status is main()'s return value,
     # `sys.exit(main())`, which test_example_launch_parses_and_validates runs as a command).
-    from megatron_deepepv2.run import main
+    from megatron_deepepv2.cli.run import main
 
     assert main(["/no/such/script.py"]) == 2 and "does not exist" in capsys.readouterr().err
     assert main([]) == 2 and "usage:" in capsys.readouterr().err
 
 
 def test_example_launch_parses_and_validates(tmp_path: Path) -> None:
-    """examples/pretrain_gpt_moe_deepepv2.sh through ``python -m megatron_deepepv2.run``: the plugin is installed, the
+    """examples/pretrain_gpt_moe_deepepv2.sh through ``python -m megatron_deepepv2.cli.run``: the plugin is installed, the
     script gets its arguments, which pass Megatron's parsing and validation (with the determinism and CUDA-graph
     variants' flags) and give the model SwiGLU without the fused bias-activation path (which the experts' per-token
     scale breaks on megatron-core 0.19 with GELU)."""
@@ -118,8 +118,8 @@ def test_run_sets_ep_disable_gin_without_an_rdma_nic(tmp_path: Path, monkeypatch
     """The entry point, in this process with a faked NIC probe (``install()`` is a no-op here: the tests above run
     it): the script and a process it starts see the expected ``EP_DISABLE_GIN``; one INFO line says when it was set."""
     import megatron_deepepv2
-    from megatron_deepepv2 import doctor
-    from megatron_deepepv2.run import main
+    from megatron_deepepv2.cli import doctor
+    from megatron_deepepv2.cli.run import main
 
     monkeypatch.setattr(doctor, "find_rdma_devices", lambda: nics)
     monkeypatch.setattr(megatron_deepepv2, "install", lambda: None)
@@ -130,7 +130,7 @@ def test_run_sets_ep_disable_gin_without_an_rdma_nic(tmp_path: Path, monkeypatch
         monkeypatch.setenv("EP_DISABLE_GIN", user_value)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    caplog.set_level(logging.INFO, logger="megatron_deepepv2.doctor")
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.cli.doctor")
     script, seen = tmp_path / "train.py", tmp_path / "seen"
     script.write_text(GIN_SCRIPT)
 

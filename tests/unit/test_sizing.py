@@ -118,7 +118,8 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
 
     import torch.distributed as dist
 
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend
+    from megatron_deepepv2.backends.base import BufferSpec
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
     from megatron_deepepv2.backends import deepep as adapter
     from megatron_deepepv2.config import DeepepV2Settings
 

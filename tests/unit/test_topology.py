@@ -154,7 +154,8 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
 
     import torch
 
-    from megatron_deepepv2.backends import BufferSpec, DeepEPBackend
+    from megatron_deepepv2.backends.base import BufferSpec
+    from megatron_deepepv2.backends.deepep import DeepEPBackend
     from megatron_deepepv2.config import DeepepV2Settings
     from tests.unit.test_deepep_adapter import group_of, use_stand_in_backend
 

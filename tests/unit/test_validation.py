@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2.backends import DeepEPBackend, ExpertLayout, ReferenceBackend
-from megatron_deepepv2.validation import check_dispatch_inputs
+from megatron_deepepv2.backends.deepep import DeepEPBackend
+from megatron_deepepv2.layout import ExpertLayout
+from megatron_deepepv2.backends.reference import ReferenceBackend
+from megatron_deepepv2.validation import dispatch_inputs_problem
 from tests.distributed import run_distributed
 
 T, H, E, K = 6, 8, 8, 2
@@ -50,9 +52,7 @@ def _mutate(case: str, x, idx, w):
     elif case == "duplicate_expert":
         idx = idx.clone()
         idx[3, 1] = idx[3, 0]
-    elif case == "zero_padding_compact":
-        kwargs["zero_padding"] = True
-    elif case == "unzeroed_padding":
+    elif case == "removed_zero_padding":
         kwargs["layout"], kwargs["expert_alignment"], kwargs["zero_padding"] = "expand", 4, False
     elif case == "bad_alignment":
         kwargs["layout"], kwargs["expert_alignment"] = "expand", 0
@@ -74,8 +74,7 @@ CASES = {
     "expert_out_of_range": (ValueError, "outside [-1, 8): token 2"),
     "negative_expert": (ValueError, "outside [-1, 8): token 0"),
     "duplicate_expert": (ValueError, "same expert twice for token 3"),
-    "zero_padding_compact": (ValueError, "zero_padding=True only applies"),
-    "unzeroed_padding": (ValueError, "zero_padding=False with layout='expand' and expert_alignment=4"),
+    "removed_zero_padding": (TypeError, "zero_padding: the expand layout's padding rows are always zero"),
     "bad_alignment": (ValueError, "expert_alignment=0"),
 }
 
@@ -171,9 +170,9 @@ def test_static_errors_raise_without_validation() -> None:
 
 def _check(limits, x, idx=None, w=None, **kwargs):
     idx = torch.zeros(x.shape[0] if not isinstance(x, tuple) else x[0].shape[0], 1, dtype=torch.long) if idx is None else idx
-    defaults = dict(limits=limits, num_experts=8)
+    defaults = dict(limits=limits)
     defaults.update(kwargs)
-    return check_dispatch_inputs(x, idx, w, **defaults)
+    return dispatch_inputs_problem(x, idx, w, **defaults)
 
 
 def test_deepep_only_limits_are_checked_before_communication() -> None:
@@ -311,6 +310,10 @@ def _unlike_inputs(rank: int, world: int, field: str, validate: bool = True) -> 
             w = torch.rand(T, K + 1)
         elif field == "FP8":
             x = (x.to(torch.float8_e4m3fn), torch.ones(T, 1))
+        elif field == "SM count":
+            dv2.configure(num_sms=12)
+        elif field == "allow_hybrid_mode":
+            dv2.configure(allow_hybrid_mode=False)
     try:
         dv2.dispatch(x, idx, w, E)
     except ValueError as error:
@@ -320,7 +323,7 @@ def _unlike_inputs(rank: int, world: int, field: str, validate: bool = True) -> 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("field,rank1,others", [("dtype", "float64", "float32"), ("hidden size", "16", "8"),
-                                                ("top-k", "3", "2"), ("FP8", "yes", "no")])
+                                                ("top-k", "3", "2"), ("FP8", "yes", "no"), ("SM count", "12", "64")])
 def test_ranks_that_dispatch_unlike_inputs_all_raise_naming_them(world: int, field: str, rank1: str,
                                                                   others: str) -> None:
     """Under validation, inputs that differ across the ranks where the exchange needs them alike (which would crash
@@ -332,15 +335,20 @@ def test_ranks_that_dispatch_unlike_inputs_all_raise_naming_them(world: int, fie
         assert re.search(f"rank 0: [^;)]*{field} {others}", message), message
 
 
-@pytest.mark.parametrize("field,rank1,others", [("hidden size", "16", "8"), ("top-k", "3", "2"), ("FP8", "yes", "no")])
+@pytest.mark.parametrize("field,rank1,others", [("hidden size", "16", "8"), ("top-k", "3", "2"), ("FP8", "yes", "no"),
+                                                ("allow_hybrid_mode", "no", "auto")])
 def test_ranks_with_unlike_buffers_raise_naming_them_at_default_settings(field: str, rank1: str, others: str) -> None:
-    """Without validation the buffer's build agrees on its shape key (once, not per call): a rank whose hidden size,
-    top-k or FP8-ness differs makes every rank raise naming each rank's value, instead of corrupting the exchange."""
+    """Without validation the buffer's build agrees on BUILD_AGREEMENT (once, not per call): a rank whose hidden size,
+    top-k, FP8-ness or hybrid mode differs makes every rank raise naming each rank's value, instead of corrupting the
+    exchange; the message names every agreed field."""
+    from megatron_deepepv2.backends.base import BUILD_AGREEMENT
+
     outcomes = run_distributed(_unlike_inputs, 2, field, False, env=DEFAULT_ENV, timeout=60)
     for rank, (kind, message) in enumerate(outcomes):
         assert kind == "ValueError" and field in message.split(" differ (")[0].split("whose ")[-1], (rank, message)
         assert re.search(f"rank 1: [^;)]*{field} {rank1}", message), message
         assert re.search(f"rank 0: [^;)]*{field} {others}", message), message
+        assert "buffer builds" in message and all(agreed.name in message for agreed in BUILD_AGREEMENT), message
 
 
 # ---------------------------------------------------------------- the device-side id check (CUDA)
@@ -405,14 +413,14 @@ def test_device_side_id_check_passes_every_valid_routing_without_a_host_sync() -
 def test_host_sync_id_check_on_cuda_raises_a_value_error_and_the_process_goes_on(case: str) -> None:
     """With host sync the CUDA check reads its flag: a ValueError naming the token, no device assert, and the next
     check (of good ids) passes -- the flag was reset."""
-    from megatron_deepepv2.expert_ids import check_expert_ids_with_flag
+    from megatron_deepepv2.expert_ids import expert_ids_flag_problem
 
     idx = torch.tensor([[0, 1], [2, 3], [4, 5]], device="cuda")
     bad = idx.clone()
     bad[1, 1] = 8 if case == "too_large" else 2
-    problem = check_expert_ids_with_flag(bad, 8)
+    problem = expert_ids_flag_problem(bad, 8)
     assert isinstance(problem, ValueError) and "token 1" in str(problem), problem
-    assert check_expert_ids_with_flag(idx, 8) is None
+    assert expert_ids_flag_problem(idx, 8) is None
     torch.cuda.synchronize()  # no device-side assert is pending
 
 
@@ -446,7 +454,7 @@ def test_bad_ids_without_host_sync_raise_the_assert_message_on_every_rank() -> N
 def test_sync_free_experts_refuse_what_they_cannot_run(change: dict, tp: int, phrase: str) -> None:
     from types import SimpleNamespace
 
-    from megatron_deepepv2.validation import check_sync_free_experts
+    from megatron_deepepv2.megatron_config import check_sync_free_experts
 
     fields = dict(add_bias_linear=False, fp8=None, fp4=None, delay_wgrad_compute=False, use_te_activation_func=False)
     check_sync_free_experts(SimpleNamespace(**fields), 1)  # what they run: no error
@@ -475,7 +483,7 @@ class _HandleWithoutSort:
 
 
 def _deterministic_config(host_sync: bool, deterministic: bool = True):
-    from megatron_deepepv2.backends import DispatchConfig
+    from megatron_deepepv2.backends.base import DispatchConfig
     from megatron_deepepv2.config import DeepepV2Settings
 
     return DispatchConfig(DeepEPBackend, DeepepV2Settings(deterministic=deterministic, host_sync=host_sync))
@@ -491,22 +499,20 @@ def _deterministic_config(host_sync: bool, deterministic: bool = True):
 ])
 def test_deterministic_mode_is_refused_where_the_installed_handle_lacks_what_the_order_reads(
         monkeypatch: pytest.MonkeyPatch, handle, host_sync: bool, missing) -> None:
-    from megatron_deepepv2.validation import check_dispatch_config
     from tests.unit.test_deepep_adapter import install_deep_ep_with_handle
 
     install_deep_ep_with_handle(monkeypatch, handle)
-    config = _deterministic_config(host_sync)
     if missing is None:
-        check_dispatch_config(config)
+        assert _deterministic_config(host_sync).settings.deterministic  # built, so checked
         assert dv2.resolve_config(backend=DeepEPBackend, deterministic=True, host_sync=host_sync).settings.deterministic
     else:
         mode = "Deterministic mode" + ("" if host_sync else " without host sync")
-        for check in (lambda: check_dispatch_config(config),
+        for build in (lambda: _deterministic_config(host_sync),
                       lambda: dv2.resolve_config(backend=DeepEPBackend, deterministic=True, host_sync=host_sync)):
             with pytest.raises(ValueError, match=f"{mode} is not available on the deepep backend as installed: "
                                                  f".*{re.escape(missing)}"):
-                check()
-    check_dispatch_config(_deterministic_config(host_sync, deterministic=False))  # nothing to order
+                build()
+    _deterministic_config(host_sync, deterministic=False)  # nothing to order: builds
 
 
 @pytest.mark.parametrize("line", ["2.1", "V2.5"])
@@ -514,9 +520,8 @@ def test_deterministic_mode_is_refused_where_the_installed_handle_lacks_what_the
 def test_deterministic_mode_is_accepted_with_the_stand_ins_full_handle(monkeypatch: pytest.MonkeyPatch, line: str,
                                                                        host_sync: bool) -> None:
     """The stand-in's ``EPHandle`` (what the CPU ordering tests run against) exposes everything, on both lines."""
-    from megatron_deepepv2.validation import check_dispatch_config
     from tests.unit.test_deepep_adapter import EPHandle, install_deep_ep_with_handle
 
     install_deep_ep_with_handle(monkeypatch, EPHandle, line)
-    assert DeepEPBackend.deterministic_order_problem(host_sync) is None
-    check_dispatch_config(_deterministic_config(host_sync))
+    assert DeepEPBackend.deterministic_order_unavailable_reason(host_sync) is None
+    assert _deterministic_config(host_sync).settings.deterministic

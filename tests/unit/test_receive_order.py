@@ -3,10 +3,12 @@ hybrid mode's linked list against a boolean-mask selection (the way a host-sync 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from megatron_deepepv2.sync_free_order import compact_order, expand_order, relink
+from megatron_deepepv2.receive_order import compact_order, expand_order, relink
 
 
 def _expand_receive(seed: int, num_tokens: int, topk: int, experts: int, alignment: int, empty: set[int],
@@ -153,3 +155,53 @@ def test_relink_of_no_rows_and_of_no_links() -> None:
     # Two valid rows, ordered [1, 0, 2, 3]: rows 0 and 1 swapped; links past them stay.
     two = torch.tensor(2)
     assert relink(links, compact_order(torch.tensor([30, 10, 20, 0]), two), two).tolist() == [[-1, 1, 3], [2, -2, 0]]
+
+
+def _handle(num_topk: int = 3, rows: int = 6, **changes):
+    """A DeepEP handle as the ordering reads it, laid out as DeepEP 2.1.0 and V2.5 lay it out, with ``changes``."""
+    from types import SimpleNamespace
+
+    fields = dict(recv_src_metadata=torch.zeros(rows, num_topk + 2, dtype=torch.int32),
+                  psum_num_recv_tokens_per_scaleup_rank=torch.tensor([rows], dtype=torch.int32),
+                  psum_num_recv_tokens_per_expert=torch.tensor([2, 6], dtype=torch.int32),
+                  num_unaligned_recv_tokens_per_expert=torch.tensor([2, 1], dtype=torch.int32),
+                  channel_linked_list=None)
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("layout", ["compact", "expand"])
+def test_the_handle_layout_the_order_relies_on_is_accepted(layout: str) -> None:
+    from megatron_deepepv2.layout import ExpertLayout
+    from megatron_deepepv2.receive_order import check_handle_layout
+
+    check_handle_layout(_handle(), 3, ExpertLayout.parse(layout))
+    check_handle_layout(_handle(channel_linked_list=torch.zeros(4, 2, dtype=torch.int64)), 3, ExpertLayout.COMPACT)
+
+
+@pytest.mark.parametrize("layout,change,named", [
+    ("compact", dict(recv_src_metadata=torch.zeros(6, 4, dtype=torch.int32)), "recv_src_metadata is (6, 4)"),
+    ("expand", dict(recv_src_metadata=torch.zeros(6, 5)), "recv_src_metadata is (6, 5) torch.float32"),
+    ("expand", dict(recv_src_metadata=torch.zeros(6, 6, dtype=torch.int64)), "recv_src_metadata is (6, 6)"),
+    ("compact", dict(recv_src_metadata=torch.zeros(30, dtype=torch.int32)), "recv_src_metadata is (30,)"),
+    ("expand", dict(psum_num_recv_tokens_per_scaleup_rank=None), "psum_num_recv_tokens_per_scaleup_rank is None"),
+    ("expand", dict(num_unaligned_recv_tokens_per_expert=torch.zeros(2, 1, dtype=torch.int32)),
+     "num_unaligned_recv_tokens_per_expert is (2, 1)"),
+    ("compact", dict(channel_linked_list=torch.zeros(4)), "channel_linked_list is (4,) torch.float32"),
+])
+def test_a_handle_laid_out_otherwise_is_refused_before_it_is_rewritten(layout: str, change: dict, named: str) -> None:
+    """A DeepEP whose handle is laid out otherwise would have its metadata silently corrupted by the rewrite: the
+    ordering refuses it, naming the field, and leaves the handle as it was."""
+    from megatron_deepepv2.layout import ExpertLayout
+    from megatron_deepepv2.receive_order import order_received
+
+    handle = _handle(**change)
+    before = {name: None if t is None else t.clone() for name, t in vars(handle).items()}
+    rows = torch.randn(6, 4)
+    recv_idx = torch.zeros(6, 3, dtype=torch.int64) if layout == "compact" else None
+    weights = torch.rand(6, 3) if layout == "compact" else torch.rand(6)
+    with pytest.raises(RuntimeError, match=re.escape(named) + ".*Deterministic mode supports DeepEP 2.1.0 and V2.5"):
+        order_received(rows, recv_idx, weights, handle, 3, ExpertLayout.parse(layout), host_sync=False, cached=False,
+                       receive_order=None)
+    for name, tensor in vars(handle).items():
+        assert (tensor is None) == (before[name] is None) and (tensor is None or torch.equal(tensor, before[name]))

@@ -1,0 +1,13 @@
+"""The command-line tools of megatron-deepepv2; a training step imports none of them.
+
+* :mod:`.install_deepep` -- build and install DeepEP v2 (and NCCL), ending with the doctor:
+  ``python -m megatron_deepepv2.cli.install_deepep --deepep-src PATH [--nccl-src PATH]``;
+* :mod:`.doctor` -- environment checks, each with its fix: ``python -m megatron_deepepv2.cli.doctor [--json]``;
+* :mod:`.demo` -- train a small MoE with alltoall and with deepepv2 and compare (``make demo``):
+  ``python -m megatron_deepepv2.cli.demo``;
+* :mod:`.run` -- the launch entry for unchanged training scripts (installs the backend, then runs the script):
+  ``python -m megatron_deepepv2.cli.run SCRIPT [ARGS...]``.
+
+The old commands (``python -m megatron_deepepv2.doctor`` and the like) still work: each is a compatibility entry
+point that runs the tool here. This file imports nothing: importing one tool runs no other.
+"""

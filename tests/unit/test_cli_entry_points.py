@@ -1,0 +1,67 @@
+"""The command-line tools live in ``megatron_deepepv2.cli``; the old ``python -m megatron_deepepv2.X`` commands are
+compatibility entry points that run the same tool, and importing one tool loads no other tool and not Megatron."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ("install_deepep", "doctor", "demo", "run")
+
+
+def _help(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_old_and_new_commands_print_the_same_help(tool: str) -> None:
+    """``python -m megatron_deepepv2.TOOL --help`` and ``python -m megatron_deepepv2.cli.TOOL --help`` both exit 0 with
+    the same usage text. Every tool has ``--help``: argparse's for the installer, the doctor and the demo (it exits
+    before anything runs), and the launch entry's own (its usage and docstring on stderr, before anything is imported
+    or installed)."""
+    old, new = _help(f"megatron_deepepv2.{tool}"), _help(f"megatron_deepepv2.cli.{tool}")
+    assert new.returncode == 0, new.stdout[-2000:] + new.stderr[-3000:]
+    assert old.returncode == 0, old.stdout[-2000:] + old.stderr[-3000:]
+    text = new.stdout + new.stderr
+    assert "usage:" in text, text[-2000:]
+    assert (old.stdout, old.stderr) == (new.stdout, new.stderr)
+
+
+# What ``import megatron_deepepv2`` and then ``import MODULE`` load, from a fresh interpreter.
+_LOADED = """
+import json, sys
+import megatron_deepepv2
+package = set(sys.modules)
+__import__(sys.argv[1])
+print(json.dumps({"package": sorted(package), "after": sorted(sys.modules)}))
+"""
+
+
+@pytest.mark.parametrize("tool", ["doctor", "install_deepep"])
+def test_importing_a_tool_loads_no_other_tool_nor_megatron_nor_the_dispatch_path(tool: str) -> None:
+    """``import megatron_deepepv2.cli.TOOL`` in a fresh interpreter imports neither ``megatron.core``, nor another tool of
+    ``cli`` (``cli/__init__.py`` imports nothing), nor any library module beyond what ``import megatron_deepepv2`` itself
+    loads: in particular not ``megatron_deepepv2.ops`` unless the package's own ``__init__`` imports it."""
+    module = f"megatron_deepepv2.cli.{tool}"
+    done = subprocess.run([sys.executable, "-c", _LOADED, module], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    package, after = set(loaded["package"]), set(loaded["after"])
+    assert module in after
+    megatron = sorted(name for name in after if name == "megatron" or name.startswith("megatron."))
+    assert not megatron, megatron
+    other_tools = {f"megatron_deepepv2.cli.{other}" for other in TOOLS} - {module}
+    if tool == "install_deepep":
+        other_tools.discard("megatron_deepepv2.cli.doctor")  # the installer uses the doctor's probes
+    assert not other_tools & after, sorted(other_tools & after)
+    added = sorted(name for name in after - package if name.startswith("megatron_deepepv2."))
+    allowed = {"megatron_deepepv2.cli", module, "megatron_deepepv2.cli.doctor", "megatron_deepepv2.deepep_lines"}
+    assert set(added) <= allowed, added
+    assert "megatron_deepepv2.ops" not in after - package
