@@ -121,6 +121,13 @@ KERNELS: tuple[KernelEntry, ...] = (
         kind="torch-op",
     ),
     KernelEntry(
+        name="deepep_requirements",
+        sources=("megatron_deepepv2/deepep_lines.py",),
+        exempt_reason="One all-reduce of a zero over the expert-parallel group before a DeepEP build, which creates the "
+        "NCCL communicator DeepEP reuses: no data path.",
+        kind="torch-op",
+    ),
+    KernelEntry(
         name="node_topology",
         sources=("megatron_deepepv2/topology.py",),
         exempt_reason="One all_gather_object of node identities per group at the first buffer build: decides DeepEP's "
@@ -139,7 +146,7 @@ KERNELS: tuple[KernelEntry, ...] = (
 KERNEL_CONTENT_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple(
     (name, re.compile(pattern))
     for name, pattern in (
-        ("deepep-buffer-call", r"\b\w*buffer\s*\.\s*(dispatch|combine)\s*\("),
+        ("deepep-buffer-call", r"\b\w*buffer\s*\.\s*(dispatch|combine)\s*[(,)]"),  # called, or passed to a caller
         ("backend-call", r"\b\w*backend\s*\.\s*(dispatch|cached_dispatch|combine)\s*\("),
         ("autograd-function", r"\btorch\s*\.\s*autograd\s*\.\s*Function\b|\bautograd\.Function\b"),
         ("grouped-gemm", r"\btorch\s*\.\s*_grouped_mm\s*\("),

@@ -1,8 +1,9 @@
 """The receive bound's memory: the experts keep a bound-sized copy of a dispatch's rows, and the worst-case receive is
 reused as the combine's input (:class:`KeepRows`, :class:`RestoreRows`), forward and backward.
 
-The Megatron manager (:mod:`megatron_deepepv2.manager`) applies a bound under ``moe_expert_rank_capacity_factor``; each
-bounded dispatch hands its worst-case tensors from one Function to the other through its own :class:`BoundSlot`.
+The Megatron manager (:mod:`megatron_deepepv2.manager`) applies a bound under ``moe_expert_rank_capacity_factor``
+(:func:`keep_bounded_rows`); each bounded dispatch hands its worst-case tensors from one Function to the other through
+its own :class:`BoundSlot`.
 """
 
 from __future__ import annotations
@@ -87,3 +88,37 @@ class RestoreRows(torch.autograd.Function):
         slot: BoundSlot = ctx.slot
         slot.grad = grad
         return grad[:slot.bound], None
+
+
+def keep_bounded_rows(recv_x: torch.Tensor, probs: torch.Tensor, tokens_per_expert: torch.Tensor, handle: Any,
+                      bound: int, dropped_rows: torch.Tensor,
+                      over_budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, BoundSlot]:
+    """The experts' view of an expand dispatch cut at ``bound`` rows, without a host sync.
+
+    Args:
+        recv_x: ``[N, H]`` received rows (``N = handle.num_recv_rows > bound``).
+        probs: ``[N]`` fp32 routing weights of the rows (0: padding, or a selection the router dropped).
+        tokens_per_expert: ``[E_local]`` int64 rows per local expert block, padding included.
+        handle: The dispatch's :class:`~megatron_deepepv2.backends.base.DispatchHandle`.
+        bound: Rows the experts keep.
+        dropped_rows: ``[1]`` int64, increased by the selections past the bound (rows with a nonzero prob among the
+            valid ones), in place.
+        over_budget: ``[1]`` bool, set in place when any selection is dropped.
+
+    Returns:
+        ``(kept_x [bound, H], kept_probs [bound], tokens_per_expert cut at the bound, slot)``, ``slot`` the
+        :class:`BoundSlot` that :class:`RestoreRows` takes for the combine's input.
+    """
+    num_rows = handle.num_recv_rows
+    ends = torch.cumsum(tokens_per_expert, 0)
+    cut_counts = (ends.clamp(max=bound) - (ends - tokens_per_expert)).clamp(min=0)  # blocks cut at the bound
+    selected = probs[bound:] != 0
+    if not handle.config.host_sync:  # rows past the valid ones are unspecified
+        rows = torch.arange(bound, num_rows, device=selected.device)
+        selected &= rows < handle.num_valid_rows.to(selected.device)
+    dropped = selected.sum().to(device=dropped_rows.device, dtype=torch.int64).reshape(1)
+    dropped_rows += dropped
+    over_budget |= dropped > 0
+    slot = BoundSlot(bound, num_rows)
+    kept_x, kept_probs = KeepRows.apply(recv_x, probs, slot)
+    return kept_x, kept_probs, cut_counts, slot

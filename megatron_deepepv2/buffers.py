@@ -124,6 +124,13 @@ def _meet_to_build(backend_name: str, group: dist.ProcessGroup, spec: BufferSpec
     a rank that exceeds the limit alone then fails with its reason instead of waiting in an all-reduce the others
     never join.
 
+    Args:
+        backend_name: The backend's registry name, for the messages.
+        group: The expert-parallel group.
+        spec: What the build is for.
+        num_tokens: Tokens this call dispatches.
+        current: The buffer a growth replaces, or None for a first build.
+
     Raises:
         ValueError: The others did not come within ``spec.settings.growth_timeout_s``, or stopped waiting for this
             rank (announced to them).
@@ -172,6 +179,7 @@ def track_handle(handle: Any) -> None:
 
 
 def _in_use(buffer: DispatchBackend) -> bool:
+    """Whether a dispatch handle of ``buffer`` is still alive on this rank."""
     return buffer.handle_records is not None and buffer.handle_records.any_alive()
 
 

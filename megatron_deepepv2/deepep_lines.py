@@ -10,11 +10,14 @@ Two lines provide the expert-parallel buffer the backends drive:
 A ``deep_ep`` that exports only ``Buffer`` is DeepEP v1 (or HybridEP, which installs a module of the same name).
 The doctor, the installer and the backend's import check all ask this module, so the requirements live in one place;
 :func:`import_deep_ep` and :func:`deepep_unavailable_reason` are the backend's import and availability checks, and
-:func:`handle_order_unavailable_reason` says whether the installed handle allows deterministic mode.
+:func:`handle_order_unavailable_reason` says whether the installed handle allows deterministic mode. What every DeepEP
+buffer and call needs of PyTorch is here too: :func:`ensure_nccl_communicator` before a build, :func:`fill_guard`
+around each call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+
+from megatron_deepepv2.groups import collective_device
 
 Version = tuple[int, ...]
 
@@ -252,3 +258,30 @@ def runtime_nccl_version() -> Optional[tuple[int, int, int]]:
     except Exception:  # noqa: BLE001 - torch without NCCL raises various errors
         return None
     return tuple(version) if isinstance(version, tuple) else None
+
+
+def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
+    """Makes PyTorch create the NCCL communicator of ``group`` (the expert-parallel group) now, by one all-reduce:
+    DeepEP reuses it (``EP_REUSE_NCCL_COMM=1``, its default) and segfaults on the null pointer of a lazy one."""
+    probe = torch.zeros(1, device=collective_device(group))
+    dist.all_reduce(probe, group=group)
+
+
+class _FillOff:
+    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block, then restores it."""
+
+    def __enter__(self) -> None:
+        self.was_fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+
+    def __exit__(self, *exc_info: Any) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self.was_fill
+
+
+_FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
+
+
+def fill_guard() -> contextlib.AbstractContextManager:
+    """The context of every DeepEP call: the fill off while deterministic algorithms are on, as DeepEP asserts (the
+    fill kernels could overlap its communication; nothing here reads uninitialised rows); else nothing."""
+    return _FILL_OFF if torch.are_deterministic_algorithms_enabled() else _NO_GUARD

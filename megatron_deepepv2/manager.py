@@ -27,6 +27,12 @@ def dispatch_config_for(config: Any) -> DispatchConfig:
     :func:`~megatron_deepepv2.megatron_config.configured_num_sms` (else the setting),
     deterministic with the setting or ``config.deterministic_mode``; no id check, weight masking or tail clearing.
 
+    Args:
+        config: A Megatron ``TransformerConfig``.
+
+    Returns:
+        The configuration every deepepv2 layer built from ``config`` dispatches with.
+
     Raises:
         ValueError: For an out-of-range setting, a mode the backend cannot run, or FP8 with hidden size % 128 != 0.
         TypeError: If FP8 dispatch is asked for by a model that does not train in BF16.
@@ -49,9 +55,18 @@ def dispatch_config_for(config: Any) -> DispatchConfig:
 
 class _DeepepV2Manager(_DispatchManager):
     """Dispatch manager for ``--moe-flex-dispatcher-backend deepepv2``, built as Megatron's flex dispatcher builds
-    its managers: the TPxEP ``group``, ``num_local_experts``, ``router_topk`` and ``num_experts`` over that group
-    (``tp *`` Megatron's), and the ``TransformerConfig``. Raises as :func:`dispatch_config_for` and
-    :func:`megatron_deepepv2.ops.bind`."""
+    its managers.
+
+    Args:
+        group: The TPxEP process group.
+        num_local_experts: Experts on this rank.
+        router_topk: Experts per token (``K``).
+        num_experts: Experts over ``group`` (``tp *`` Megatron's).
+        config: The ``TransformerConfig``.
+
+    Raises:
+        ValueError, TypeError, ImportError: As :func:`dispatch_config_for` and :func:`megatron_deepepv2.ops.bind`.
+    """
 
     def __init__(self, group: dist.ProcessGroup, num_local_experts: int, router_topk: int, num_experts: int,
                  config: Any) -> None:
@@ -76,8 +91,12 @@ class _DeepepV2Manager(_DispatchManager):
 
     def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
         """Sets ``token_indices`` (``torch.topk`` ids: in ``[0, E)``, distinct within a row) and ``token_probs``, both
-        ``[T, K]``, from the router's ``[T, E]`` ``probs`` (zero where not selected; of ``routing_map`` only its token
-        count is read); with a capacity factor, selections the router dropped (prob 0) get id ``-1``."""
+        ``[T, K]``; with a capacity factor, selections the router dropped (prob 0) get id ``-1``.
+
+        Args:
+            routing_map: ``[T, E]`` bool: only its token count is read.
+            probs: ``[T, E]`` router probabilities, zero where not selected.
+        """
         num_tokens = routing_map.shape[0]
         probs = probs.reshape(num_tokens, self.num_experts)
         self.token_probs, self.token_indices = torch.topk(probs, self.router_topk, dim=-1)
@@ -123,28 +142,16 @@ class _DeepepV2Manager(_DispatchManager):
         return min(bound, handle.num_recv_rows)
 
     def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """A copy of the first :meth:`receive_bound` rows for the experts. Selections past it (rows with a nonzero
-        prob) are added to ``dropped_rows`` and set ``over_budget``, on the device, without a host sync."""
+        """Returns the experts' rows under :meth:`receive_bound` (:func:`~megatron_deepepv2.bounded_receive.
+        keep_bounded_rows`), counting dropped selections in ``dropped_rows`` / ``over_budget`` on the device."""
         bound = self.receive_bound(handle)
-        device = recv_x.device
         if not hasattr(self, "over_budget"):  # made lazily: Megatron's budget hooks test hasattr
-            self.over_budget = torch.zeros(1, dtype=torch.bool, device=device)
-            self.dropped_rows = torch.zeros(1, dtype=torch.int64, device=device)
-        num_rows = handle.num_recv_rows
-        if bound >= num_rows:
+            self.over_budget = torch.zeros(1, dtype=torch.bool, device=recv_x.device)
+            self.dropped_rows = torch.zeros(1, dtype=torch.int64, device=recv_x.device)
+        if bound >= handle.num_recv_rows:
             return recv_x  # the dispatch's rows fit: nothing to bound
-        counts = self.tokens_per_expert
-        ends = torch.cumsum(counts, 0)
-        self.tokens_per_expert = (ends.clamp(max=bound) - (ends - counts)).clamp(min=0)  # blocks cut at the bound
-        selected = self.dispatched_probs[bound:] != 0
-        if not self.dispatch_config.host_sync:  # rows past the valid ones are unspecified
-            rows = torch.arange(bound, num_rows, device=selected.device)
-            selected &= rows < handle.num_valid_rows.to(selected.device)
-        dropped = selected.sum().to(device=device, dtype=torch.int64).reshape(1)
-        self.dropped_rows += dropped
-        self.over_budget |= dropped > 0
-        slot = self._bound_slot = bounded_receive.BoundSlot(bound, num_rows)
-        kept_x, self.dispatched_probs = bounded_receive.KeepRows.apply(recv_x, self.dispatched_probs, slot)
+        kept_x, self.dispatched_probs, self.tokens_per_expert, self._bound_slot = bounded_receive.keep_bounded_rows(
+            recv_x, self.dispatched_probs, self.tokens_per_expert, handle, bound, self.dropped_rows, self.over_budget)
         return kept_x
 
     def reset_over_budget(self) -> None:
@@ -154,14 +161,16 @@ class _DeepepV2Manager(_DispatchManager):
             self.dropped_rows.zero_()
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
-        """Returns ``(hidden_states, probs)``: already grouped by local expert (probs float64 for an fp64 router)."""
+        """Returns ``(hidden_states [N, H], probs [N])``: the received rows, already grouped by local expert, and their
+        fp32 weights (float64 for an fp64 router)."""
         probs = self.dispatched_probs
         if self.router_dtype == "fp64":
             probs = probs.to(torch.float64)
         return hidden_states, probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Returns combine's input: ``hidden_states``, or with a receive bound ``[N, H]``, zero past the bound."""
+        """Returns combine's input: ``hidden_states`` (the experts' ``[N, H]`` outputs), or with a receive bound the
+        dispatch's ``[N_received, H]``, zero past the bound."""
         if self._bound_slot is not None:
             hidden_states = bounded_receive.RestoreRows.apply(hidden_states, self._bound_slot)
         return hidden_states

@@ -61,6 +61,7 @@ def resolve_config(**overrides: Any) -> DispatchConfig:
 
 @functools.lru_cache(maxsize=64)
 def _resolved(arguments: frozenset, settings: DeepepV2Settings) -> DispatchConfig:
+    """:func:`resolve_config` of hashable ``arguments``, cached per ``settings`` (the process-wide ones they use)."""
     return resolve_config(**dict(arguments))
 
 
@@ -74,6 +75,11 @@ def _config_for(arguments: dict[str, Any]) -> DispatchConfig:
 
 def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> "Dispatcher":
     """Returns the :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
+
+    Args:
+        config: The dispatches' configuration.
+        group: The expert-parallel process group (its state keeps the dispatcher).
+        num_experts: Global number of experts.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
@@ -173,8 +179,19 @@ class Dispatcher:
     def _raise_or_agree(self, problem: Optional[Exception], x: HiddenStates, topk_idx: torch.Tensor,
                         num_tokens: int) -> int:
         """Raises ``problem`` (announced to the peers); with ``validate``, agrees over the group first on errors, the
-        largest token count and :data:`~megatron_deepepv2.validation.DISPATCH_AGREEMENT`. Returns the token count the
-        buffer must hold: the group's largest with ``validate``, else this rank's."""
+        largest token count and :data:`~megatron_deepepv2.validation.DISPATCH_AGREEMENT`.
+
+        Args:
+            problem: This rank's problem with its inputs, or None.
+            x, topk_idx: The dispatch's hidden states and ``[T, K]`` ids, valid when ``problem`` is None.
+            num_tokens: This rank's token count ``T``.
+
+        Returns:
+            The token count the buffer must hold: the group's largest with ``validate``, else ``num_tokens``.
+
+        Raises:
+            TypeError, ValueError: ``problem``, or with ``validate`` a peer's (each rank raises together).
+        """
         settings = self.config.settings
         if not settings.validate:
             if problem is not None:
@@ -304,6 +321,7 @@ class CombineFunction(torch.autograd.Function):
 
 
 def _streams(async_finish: bool, allocate_on_comm_stream: bool) -> Streams:
+    """The :class:`~megatron_deepepv2.backends.base.Streams` of a call's flags (the shared :data:`SYNC` for none)."""
     return SYNC if not (async_finish or allocate_on_comm_stream) else Streams(bool(async_finish),
                                                                              bool(allocate_on_comm_stream))
 

@@ -26,6 +26,7 @@ _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    """``dtypes`` for a message: ``"bfloat16, float32"``."""
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
@@ -166,9 +167,13 @@ def not_a_handle_error(handle: Any) -> TypeError:
 
 
 def combine_inputs_problem(x: torch.Tensor, handle: "DispatchHandle",
-                         topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
-    """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply):
-    ``x`` is ``[handle.num_recv_rows, H]``; ``topk_weights`` float32 ``[rows]`` (expand) or ``[rows, K]``, or None.
+                           topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
+    """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply).
+
+    Args:
+        x: ``[handle.num_recv_rows, H]`` rows in one of the backend's combine dtypes.
+        handle: The dispatch's handle.
+        topk_weights: fp32 ``[rows]`` (expand) or ``[rows, K]`` (compact), or None.
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None.
@@ -198,6 +203,7 @@ _DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, tor
 
 
 def _dtype_words(code: int) -> str:
+    """The dtype an agreed code (:data:`DISPATCH_AGREEMENT`) stands for, for a message."""
     return str(_DTYPE_CODES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPE_CODES) else "another"
 
 

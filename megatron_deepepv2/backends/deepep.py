@@ -9,52 +9,23 @@ built; :meth:`DeepEPBackend.unavailable_reason` says what is missing.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.groups import collective_device
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import register_backend
-from megatron_deepepv2.deepep_lines import (deepep_unavailable_reason, handle_order_unavailable_reason, import_deep_ep,
-                                            line_of_module)
+from megatron_deepepv2.deepep_lines import (deepep_unavailable_reason, ensure_nccl_communicator, fill_guard,
+                                            handle_order_unavailable_reason, import_deep_ep, line_of_module)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
 from megatron_deepepv2.receive_order import order_received
 from megatron_deepepv2.sizing import buffer_size_arguments
 from megatron_deepepv2.topology import choose_hybrid_mode
 
 logger = logging.getLogger(__name__)
-
-
-def ensure_nccl_communicator(group: dist.ProcessGroup) -> None:
-    """Makes PyTorch create the NCCL communicator of ``group`` (the expert-parallel group) now, by one all-reduce:
-    DeepEP reuses it (``EP_REUSE_NCCL_COMM=1``, its default) and segfaults on the null pointer of a lazy one."""
-    probe = torch.zeros(1, device=collective_device(group))
-    dist.all_reduce(probe, group=group)
-
-
-class _FillOff:
-    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block, then restores it."""
-
-    def __enter__(self) -> None:
-        self.was_fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False
-
-    def __exit__(self, *exc_info: Any) -> None:
-        torch.utils.deterministic.fill_uninitialized_memory = self.was_fill
-
-
-_FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
-
-
-def _fill_guard() -> contextlib.AbstractContextManager:
-    """The context of every DeepEP call: the fill off while deterministic algorithms are on, as DeepEP asserts (the
-    fill kernels could overlap its communication; nothing here reads uninitialised rows); else nothing."""
-    return _FILL_OFF if torch.are_deterministic_algorithms_enabled() else _NO_GUARD
 
 
 @register_backend
@@ -134,11 +105,21 @@ class DeepEPBackend(DispatchBackend):
         return kwargs
 
     def _call(self, method: Any, streams: Streams, *args: Any, **kwargs: Any) -> tuple:
-        """One call of the DeepEP buffer's ``method``: under :func:`_fill_guard`, with the previous event DeepEP accepts
-        only with ``allocate_on_comm_stream``, the current stream made to wait in async mode (DeepEP asserts against
-        that wait in sync mode). Returns the call's outputs but its event."""
+        """One call of the DeepEP buffer's ``method`` (``dispatch`` or ``combine``), under
+        :func:`~megatron_deepepv2.deepep_lines.fill_guard`, with the previous event DeepEP accepts only with
+        ``allocate_on_comm_stream``; in async mode the current stream is made to wait for it (DeepEP asserts against
+        that wait in sync mode).
+
+        Args:
+            method: The bound DeepEP method.
+            streams: The call's stream mode.
+            *args, **kwargs: The call's arguments but ``previous_event``.
+
+        Returns:
+            The call's outputs, its event left out.
+        """
         previous_event = self.buffer.capture() if streams.async_finish and streams.allocate_on_comm_stream else None
-        with _fill_guard():
+        with fill_guard():
             *outputs, event = method(*args, previous_event=previous_event, **kwargs)
             if streams.async_finish:
                 event.current_stream_wait()

@@ -137,5 +137,7 @@ def test_real_detector_sees_our_kernel_files() -> None:
     for path in ("megatron_deepepv2/ops.py", "megatron_deepepv2/backends/reference.py", "megatron_deepepv2/backends/deepep.py"):
         assert manifest.kernel_patterns_in((ROOT / path).read_text()), path
         assert manifest.entries_for(path), path
+    # A buffer's method passed to the one function that calls it is a call too.
+    assert manifest.kernel_patterns_in("self._call(self.buffer.dispatch, streams, x)\n") == ["deepep-buffer-call"]
     # A method named dispatch on some other object is not a buffer call.
     assert manifest.kernel_patterns_in("router.dispatch(x)\nqueue.combine(y)\n") == []
