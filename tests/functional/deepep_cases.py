@@ -393,7 +393,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
                 got = ours.dispatch(x, idx, w, config, experts)
                 want_x, want_idx, want_w, want_handle, _ = theirs.dispatch(
                     x, topk_idx=idx, topk_weights=w, num_experts=experts, num_max_tokens_per_rank=t_max,
-                    expert_alignment=alignment, num_sms=ours.num_sms, do_expand=expand, do_zero_padding=config.padded,
+                    expert_alignment=alignment, num_sms=ours.line.num_sms(settings.num_sms), do_expand=expand, do_zero_padding=config.padded,
                     do_cpu_sync=True, **dict(ours.line.dispatch_kwargs))
                 rows = want_x.shape[0]
                 assert int(got.handle.num_valid_rows) == rows, (tag, int(got.handle.num_valid_rows), rows)
