@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2.backends.base import BUILD_AGREEMENT
-from megatron_deepepv2.failures import (PeerFailure, all_reduce_max, announce_failure, begin_build,
+from megatron_deepepv2.failures import (PeerFailure, all_reduce_max, announce_failure, begin_build, group_call,
                                         raise_on_every_rank, rendezvous)
 from megatron_deepepv2.groups import GroupState, known_groups, next_power_of_two, state_of
 
@@ -63,8 +63,8 @@ class _HandleRecords:
 _stats = BufferStats()
 
 
-def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spec: BufferSpec,
-               num_tokens: int) -> DispatchBackend:
+def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spec: BufferSpec, num_tokens: int,
+               state: Optional[GroupState] = None) -> DispatchBackend:
     """Returns the buffer for ``group`` and ``spec.key`` with room for ``num_tokens``, building or rebuilding it.
 
     Collective when it builds: every rank of ``group`` must come. The token limit is
@@ -76,6 +76,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
         group: Expert-parallel process group.
         spec: What to build for; its ``num_max_tokens_per_rank`` is ignored (the token limit is decided here).
         num_tokens: Tokens this call dispatches.
+        state: The state of ``group``, where the caller holds it (else looked up).
 
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
@@ -83,7 +84,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
             stopped waiting for this rank), or build with another key.
         PeerFailure: A peer failed in this call.
     """
-    state = state_of(group)
+    state = state or state_of(group)
     key = (backend_cls.name, spec.key)
     current = state.buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
@@ -111,6 +112,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
         state.retired.append(state.buffers.pop(key))
     buffer = state.buffers[key] = backend_cls(group, replace(spec, num_max_tokens_per_rank=limit))
+    buffer.call = group_call(group)  # the context of the calls on its handles
     _stats.builds += 1
     logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
                 "%d ranks)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,

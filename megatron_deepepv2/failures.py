@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.groups import AgreedField, collective_device, group_size, state_of
+from megatron_deepepv2.groups import AgreedField, GroupState, collective_device, group_size, state_of
 
 
 def all_reduce_max(values: Sequence[int], group: dist.ProcessGroup) -> list[int]:
@@ -69,22 +69,22 @@ def count_call(group: dist.ProcessGroup) -> None:
 
 
 class GroupCall:
-    """The context of one dispatch or combine call on a group, forward or backward: counts the call on entry, and
-    passes an error raised in the block through :func:`peer_failure` (the one attribution of failures).
+    """The context of every dispatch or combine call on a group, forward or backward: entering it counts the call
+    (:func:`count_call`), and an error raised in the block passes through :func:`peer_failure` (the one attribution of
+    failures). One per group (:func:`group_call`), entered again by each call; it keeps no state of its own.
 
     Args:
-        group: The expert-parallel group of the call.
-        counted: The call was counted already (the block continues a call begun by another).
+        group: The expert-parallel group.
+        state: The group's state.
     """
 
-    __slots__ = ("group",)
+    __slots__ = ("group", "state")
 
-    def __init__(self, group: dist.ProcessGroup, counted: bool = False) -> None:
-        self.group = group
-        if not counted:
-            state_of(group).calls += 1
+    def __init__(self, group: dist.ProcessGroup, state: GroupState) -> None:
+        self.group, self.state = group, state
 
     def __enter__(self) -> "GroupCall":
+        self.state.calls += 1
         return self
 
     def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> None:
@@ -92,6 +92,14 @@ class GroupCall:
             attributed = peer_failure(error, self.group)
             if attributed is not error:
                 raise attributed from error
+
+
+def group_call(group: dist.ProcessGroup) -> GroupCall:
+    """Returns the :class:`GroupCall` of ``group`` (made once, kept in the group's state)."""
+    state = state_of(group)
+    if state.call is None:
+        state.call = GroupCall(group, state)
+    return state.call
 
 
 def _store() -> Optional[dist.Store]:

@@ -37,6 +37,7 @@ class GroupState:
         checked_inputs: The one memo of inputs whose static checks passed on the group, by (configuration,
             signature): a dispatch's maps to the buffer spec it leases with, a combine's to True.
         node_ids: The node identity of each group rank, in group-rank order; None until gathered.
+        call: The group's :class:`~megatron_deepepv2.failures.GroupCall`, made on first use.
     """
 
     size: int
@@ -48,6 +49,7 @@ class GroupState:
     dispatchers: dict[tuple, Any] = field(default_factory=dict)
     checked_inputs: dict[tuple, Any] = field(default_factory=dict)
     node_ids: Optional[tuple[str, ...]] = None
+    call: Any = None
 
 
 @dataclass(frozen=True)

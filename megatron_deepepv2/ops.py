@@ -1,7 +1,7 @@
 """Differentiable dispatch and combine: :func:`resolve_config` (a dispatch configuration from the settings), the
 bound :class:`Dispatcher`, and one autograd Function per op (dispatch's backward is a combine of the gradient,
 combine's a cached dispatch), which the Megatron manager and :func:`dispatch` / :func:`combine` call. Every call runs
-in a :class:`~megatron_deepepv2.failures.GroupCall`, so a peer raises naming the rank that failed first.
+in its group's :class:`~megatron_deepepv2.failures.GroupCall`, so a peer raises naming the rank that failed first.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, 
                                              DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import resolve_backend
 from megatron_deepepv2.config import DeepepV2Settings, get_settings
-from megatron_deepepv2.failures import GroupCall, count_call, raise_on_every_rank
+from megatron_deepepv2.failures import count_call, group_call, raise_on_every_rank
 from megatron_deepepv2.groups import state_of
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, rows_past_valid, split_hidden
 
@@ -77,9 +77,7 @@ def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> 
     """Returns the :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
 
     Args:
-        config: The dispatches' configuration.
-        group: The expert-parallel process group (its state keeps the dispatcher).
-        num_experts: Global number of experts.
+        config, group, num_experts: The dispatches' configuration, expert-parallel group and global expert count.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
@@ -117,20 +115,19 @@ class Dispatcher:
     combine), by signature: a repeated signature is not checked again unless ``validate`` or the token limit asks.
 
     Args:
-        config: The dispatches' configuration (checked when it was built).
-        group: The expert-parallel process group.
-        num_experts: Global number of experts.
+        config, group, num_experts: The dispatches' configuration, expert-parallel group and global expert count.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
     """
 
-    __slots__ = ("config", "group", "num_experts", "_checked", "_signature", "_spec")
+    __slots__ = ("config", "group", "num_experts", "call", "_checked", "_signature", "_spec")
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
         state = state_of(group)
         validation.check_binding(num_experts, state.size)
         self.config, self.group, self.num_experts = config, group, num_experts
+        self.call = group_call(group)  # the context of every call: counted, failures attributed
         self._checked = state.checked_inputs
         self._signature: Any = None
         self._spec: Optional[BufferSpec] = None
@@ -167,14 +164,16 @@ class Dispatcher:
         if problem is None:
             if settings.host_sync and topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise validation.host_sync_capture_error()
-            problem = expert_ids.routing_ids_problem(topk_idx, self.num_experts, settings, self.group)
-        num_tokens = self._raise_or_agree(problem, x, topk_idx, num_tokens)
+            if settings.check_ids or settings.validate:
+                problem = expert_ids.routing_ids_problem(topk_idx, self.num_experts, settings, self.group)
+        if problem is not None or settings.validate:
+            num_tokens = self._raise_or_agree(problem, x, topk_idx, num_tokens)
         if spec is None:
             data, scales = split_hidden(x)
             spec = self._checked[self.config, signature] = BufferSpec(
                 data.shape[1], topk_idx.shape[1], 0, settings, fp8=scales is not None or settings.fp8_dispatch)
         self._signature, self._spec = signature, spec
-        return buffers.get_buffer(self.config.backend, self.group, spec, num_tokens)
+        return buffers.get_buffer(self.config.backend, self.group, spec, num_tokens, self.call.state)
 
     def _raise_or_agree(self, problem: Optional[Exception], x: HiddenStates, topk_idx: torch.Tensor,
                         num_tokens: int) -> int:
@@ -205,16 +204,6 @@ class Dispatcher:
             values = [agreed.encode(facts) for agreed in validation.DISPATCH_AGREEMENT]
         return raise_on_every_rank(problem, self.group, agree=True, num_tokens=num_tokens,
                                    fields=validation.DISPATCH_AGREEMENT, values=values)
-
-
-def _received(recv_x: HiddenStates, handle: DispatchHandle, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
-    """A dispatch's received rows as the caller gets them: ``(rows [N, H], scales [N, S] | None)``; with FP8 dispatch
-    the rows dequantised to ``dtype`` (the valid ones only, without host sync)."""
-    rows, scales = split_hidden(recv_x)
-    if handle.config.settings.fp8_dispatch:
-        valid = None if handle.config.host_sync else handle.num_valid_rows
-        return fp8.dequantize_e4m3_1x128(rows, scales, dtype=dtype, num_valid_rows=valid), None
-    return rows, scales
 
 
 def _masked_routing(handle: DispatchHandle, recv_idx: Optional[torch.Tensor],
@@ -249,25 +238,30 @@ class DispatchFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor],  # type: ignore[override]
                 dispatcher: Dispatcher, topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
         config = dispatcher.config
-        with GroupCall(dispatcher.group):
+        with dispatcher.call:
             buffer = dispatcher.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
             data = fp8.quantize_e4m3_1x128(x) if config.settings.fp8_dispatch else x if scales is None else (x, scales)
             recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, config,
                                                                      dispatcher.num_experts, streams)
             buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
-            recv_x, recv_scales = _received(recv_x, handle, x.dtype)
-            if recv_scales is not None:
+            recv_scales = None
+            if config.settings.fp8_dispatch:  # BF16 rows for the experts (the valid ones only, without host sync)
+                valid = None if config.host_sync else handle.num_valid_rows
+                recv_x = fp8.dequantize_e4m3_1x128(*split_hidden(recv_x), dtype=x.dtype, num_valid_rows=valid)
+            elif scales is not None:  # a pair passed through comes back a pair, not differentiable
+                recv_x, recv_scales = split_hidden(recv_x)
                 ctx.mark_non_differentiable(recv_x, recv_scales)
-            recv_idx, recv_weights = _masked_routing(handle, recv_idx, recv_weights)
+            if config.clear_tail or config.mask_foreign_weights:
+                recv_idx, recv_weights = _masked_routing(handle, recv_idx, recv_weights)
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
-        ctx.handle, ctx.streams, ctx.hidden = handle, streams, x.shape[1]
+        ctx.handle, ctx.streams, ctx.hidden, ctx.call = handle, streams, x.shape[1], dispatcher.call
         return recv_x, recv_weights, recv_scales, recv_idx, handle
 
     @staticmethod
     def backward(ctx: Any, grad_recv_x: Optional[torch.Tensor], grad_recv_weights: Optional[torch.Tensor], *_):
         handle: DispatchHandle = ctx.handle
         # The whole body: an error before the combine would leave the peers waiting in it.
-        with GroupCall(handle.buffer.group):
+        with ctx.call:
             rows = handle.num_recv_rows
             if grad_recv_x is None:  # only the weights want a gradient: its device is theirs
                 grad_recv_x = torch.zeros((rows, ctx.hidden), dtype=torch.bfloat16, device=grad_recv_weights.device)
@@ -294,8 +288,9 @@ class CombineFunction(torch.autograd.Function):
         if type(handle) is not DispatchHandle:
             raise validation.not_a_handle_error(handle)
         group, validate = handle.buffer.group, handle.config.settings.validate
-        with GroupCall(group):
-            checked = state_of(group).checked_inputs
+        call = ctx.call = handle.buffer.call or group_call(group)  # a buffer built by the registry carries it
+        with call:
+            checked = call.state.checked_inputs
             key = (handle.config, x.shape[1], x.dtype, x.device) if type(x) is torch.Tensor and x.dim() == 2 else None
             if key is None or key not in checked or x.shape[0] != handle.num_recv_rows or validate:
                 problem = validation.combine_inputs_problem(x, handle, None)
@@ -309,7 +304,7 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
-        with GroupCall(handle.buffer.group):
+        with ctx.call:
             grad = handle.buffer.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
         if not handle.config.host_sync and handle.config.clear_tail:
             # Rows past the valid extent are unspecified: zero them, writing only those rows.

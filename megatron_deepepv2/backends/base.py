@@ -244,6 +244,7 @@ class DispatchBackend(ABC):
     Attributes:
         handle_records: The dispatch handles made on this buffer, as :mod:`megatron_deepepv2.buffers` records them
             (a retired buffer is kept while one is alive); None until the first.
+        call: The group's :class:`~megatron_deepepv2.failures.GroupCall`, set by the buffer registry.
     """
 
     name: ClassVar[str]  #: registry name
@@ -257,6 +258,7 @@ class DispatchBackend(ABC):
         self.group_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.handle_records: Any = None
+        self.call: Any = None
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
