@@ -56,7 +56,7 @@ def _uses_te_op_fuser(experts: Any) -> bool:
     return isinstance(experts, TEGroupedMLP) and bool(getattr(experts, "_with_fused_impl", False))
 
 
-def device_counts_problem(experts: Any) -> Optional[str]:
+def device_counts_unavailable_reason(experts: Any) -> Optional[str]:
     """Says why ``experts`` cannot run without host sync, or None when it can.
 
     Args:
@@ -79,9 +79,9 @@ def check_experts_take_device_counts(experts: Any) -> None:
     Raises:
         ValueError: Naming the expert module and what to use instead.
     """
-    problem = device_counts_problem(experts)
-    if problem is not None:
-        raise ValueError(problem)
+    reason = device_counts_unavailable_reason(experts)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 class _ZeroRowsPastBlocks(torch.autograd.Function):
