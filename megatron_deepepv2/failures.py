@@ -1,7 +1,7 @@
 """How the ranks of a group learn of each other's failures, and the small collectives and waits that watch for them.
 
 A rank that fails in a dispatch or combine (forward or backward) or a buffer build leaves its error in the rendezvous
-store, scoped to the call (:func:`count_call`, :func:`announce_failure`); every path that communicates passes its
+store, scoped to the call (:class:`GroupCall`, :func:`announce_failure`); every path that communicates passes its
 errors through :func:`peer_failure`, which names the peers' announced errors, so a peer whose wait fails (DeepEP's
 timeout, a closed connection) raises naming the rank that failed first and its error. Collectives over CPU (gloo)
 groups also watch the store while they wait (:func:`run_collective`): a peer raises within milliseconds of the failure
@@ -61,16 +61,10 @@ _FIRST_POLL_S, _LONGEST_POLL_S = 0.002, 0.05
 _FIRST_RENDEZVOUS_S = 0.0005
 
 
-def count_call(group: dist.ProcessGroup) -> None:
-    """Counts a dispatch or combine call, forward or backward, on ``group`` (at its start): the ranks of a group make
-    the same calls in the same order, so the count names a call alike on every rank; a failure announcement carries
-    it, and a peer reads only the announcements of the call it failed in (an earlier failure's are not its cause)."""
-    state_of(group).calls += 1
-
-
 class GroupCall:
-    """The context of every dispatch or combine call on a group, forward or backward: entering it counts the call
-    (:func:`count_call`), and an error raised in the block passes through :func:`peer_failure` (the one attribution of
+    """The context of every dispatch or combine call on a group, forward or backward: entering it counts the call (the
+    ranks of a group make the same calls in the same order, so the count names a call alike on every rank; a failure
+    announcement carries it, and a peer reads only the announcements of the call it failed in), and an error raised in the block passes through :func:`peer_failure` (the one attribution of
     failures). One per group (:func:`group_call`), entered again by each call; it keeps no state of its own.
 
     Args:
@@ -161,7 +155,7 @@ def announce_failure(group: dist.ProcessGroup, error: BaseException, *, conseque
 
     A peer waiting in a collective of the same call over a CPU group sees it within milliseconds
     (:func:`run_collective`); a peer blocked elsewhere (a DeepEP kernel, an NCCL collective) names it when its own wait
-    fails (:func:`peer_failure`). The announcement is scoped to the current call (see :func:`count_call`). Costs two
+    fails (:func:`peer_failure`). The announcement is scoped to the current call (see :class:`GroupCall`). Costs two
     store writes, on the error path only. ``error`` is marked settled: :func:`peer_failure` passes it through.
 
     Args:

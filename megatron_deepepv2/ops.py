@@ -18,7 +18,7 @@ from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, 
                                              DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import resolve_backend
 from megatron_deepepv2.config import DeepepV2Settings, get_settings
-from megatron_deepepv2.failures import count_call, group_call, raise_on_every_rank
+from megatron_deepepv2.failures import group_call, raise_on_every_rank
 from megatron_deepepv2.groups import state_of
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, rows_past_valid, split_hidden
 
@@ -124,11 +124,10 @@ class Dispatcher:
     __slots__ = ("config", "group", "num_experts", "call", "_checked", "_signature", "_spec")
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
-        state = state_of(group)
-        validation.check_binding(num_experts, state.size)
-        self.config, self.group, self.num_experts = config, group, num_experts
         self.call = group_call(group)  # the context of every call: counted, failures attributed
-        self._checked = state.checked_inputs
+        validation.check_binding(num_experts, self.call.state.size)
+        self.config, self.group, self.num_experts = config, group, num_experts
+        self._checked = self.call.state.checked_inputs
         self._signature: Any = None
         self._spec: Optional[BufferSpec] = None
 
@@ -385,10 +384,10 @@ def dispatch(
         dispatcher = bind(config, group, num_experts)
     except (TypeError, ValueError) as problem:
         # Raised in the call the peers are making, so that they stop too instead of waiting for this rank.
-        count_call(group)
         validate = settings.get("validate") if config is None else config.settings.validate
         validate = get_settings().validate if validate is None else validate
-        raise_on_every_rank(problem, group, agree=bool(validate), fields=validation.DISPATCH_AGREEMENT)
+        with group_call(group):
+            raise_on_every_rank(problem, group, agree=bool(validate), fields=validation.DISPATCH_AGREEMENT)
     recv_x, recv_weights, recv_scales, recv_idx, handle = DispatchFunction.apply(
         *_as_function_inputs(x, topk_idx, topk_weights, dispatcher), _streams(async_finish, allocate_on_comm_stream))
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
