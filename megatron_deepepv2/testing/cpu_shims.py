@@ -11,7 +11,10 @@ created on ``torch.cuda.current_device()``, device-to-host split conversion). On
   tensors, because ``all_to_all_single`` takes split sizes as lists, not tensors;
 * ``torch.compile`` of Megatron's ``@jit_fuser`` functions is disabled (no inductor C++ build per test);
 * the model-parallel CUDA RNG tracker's ``fork()`` (attention, dropout) forks the CPU generator instead;
-* Megatron's pipeline schedules create their token counter with ``device="cuda"``: it is created on the CPU.
+* Megatron's pipeline schedules create their token counter with ``device="cuda"``: it is created on the CPU;
+* where Transformer Engine is installed, Megatron takes two of its CUDA kernels whatever the layer spec: the router's
+  logits (TE's GEMM) and the final norm of a ``TransformerBlock`` (``TENorm``). On the CPU the router computes them
+  with ``torch.mm`` and the block builds PyTorch's norm, as Megatron does without Transformer Engine.
 
 With CUDA available it does nothing. It is never used on the library path.
 """
@@ -116,6 +119,13 @@ def install_cpu_shims() -> None:
     from megatron.core.pipeline_parallel import schedules  # noqa: PLC0415
 
     schedules.torch = _TorchOnCpu()
+    if getattr(moe_utils, "te_general_gemm", None) is not None:
+        moe_utils.te_general_gemm = None
+    from megatron.core.transformer import transformer_block  # noqa: PLC0415
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415
+
+    if getattr(transformer_block, "HAVE_TE", False) and hasattr(transformer_block, "LayerNormImpl"):
+        transformer_block.LayerNormImpl = WrappedTorchNorm
     _installed = True
 
 

@@ -105,6 +105,49 @@ def test_moe_layer_uneven_tokens() -> None:
     run_distributed(_parity, 4, "expand", [10, 1, 7, 3], None, 1, timeout=180)
 
 
+class _CudaOnlyNorm:
+    def __init__(self, *args, **kwargs) -> None:
+        raise RuntimeError("Transformer Engine's LayerNorm runs on CUDA tensors only")
+
+
+def _cpu_run_where_transformer_engine_is_installed(rank: int, world: int) -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
+
+    def cuda_only_gemm(*args, **kwargs):
+        raise RuntimeError("Transformer Engine's GEMM takes CUDA tensors only")
+
+    # What `import megatron.core` binds where Transformer Engine is installed: the router's logits go through TE's
+    # GEMM, and a TransformerBlock's final norm is TE's, whatever the layer spec.
+    moe_utils.te_general_gemm = cuda_only_gemm
+    transformer_block.HAVE_TE, transformer_block.LayerNormImpl = True, _CudaOnlyNorm
+    _setup()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 1, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(8, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    logits = moe_utils.router_gating_linear(x, weight, None, torch.float32)
+    logits.sum().backward()
+    dense = x.detach().float().view(6, 16) @ weight.detach().float().t()
+    torch.testing.assert_close(logits.view(6, 8), dense, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weight.grad.float(), x.detach().float().view(6, 16).sum(0).expand(8, 16),
+                               rtol=1e-2, atol=1e-2)
+    init_expert_parallel()
+    config = transformer_config(TinyMoEConfig(hidden=16), "alltoall")
+    submodules = transformer_block._get_block_submodules(config, get_gpt_layer_local_spec(num_experts=8))
+    norm = submodules.layer_norm(config=config, hidden_size=16, eps=1e-5)
+    rows = torch.randn(4, 16, generator=gen)
+    torch.testing.assert_close(norm(rows), torch.nn.functional.layer_norm(rows, (16,), eps=1e-5))
+
+
+def test_cpu_runs_take_no_transformer_engine_kernel_where_it_is_installed() -> None:
+    """The CPU shims keep Megatron off Transformer Engine's CUDA kernels that it takes wherever TE is installed: the
+    router's GEMM runs in torch, a TransformerBlock's final norm is PyTorch's."""
+    run_distributed(_cpu_run_where_transformer_engine_is_installed, 1, timeout=120)
+
+
 def _empty_rank_stages(rank: int, world: int, layout: str, tokens_per_rank: list[int]) -> None:
     _setup()
     import megatron_deepepv2 as dv2
