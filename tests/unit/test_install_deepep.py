@@ -588,8 +588,10 @@ def test_the_nccl_wheel_installs_with_pip_and_its_pth_puts_the_library_first(tmp
     relative = os.path.join("share", "megatron-deepepv2", "nccl-2.30.7-sm90")
     wheel = install_deepep.build_nccl_wheel(str(tmp_path), str(root), relative, (2, 30, 7), "90")
     target = tmp_path / "target"
+    # --ignore-installed: where the installer already installed this NCCL wheel (a GPU machine), pip would find the
+    # requirement satisfied and put nothing under the prefix.
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
-                           "--disable-pip-version-check", "--prefix", str(target), wheel],
+                           "--ignore-installed", "--disable-pip-version-check", "--prefix", str(target), wheel],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     # Where pip puts a --prefix install's data files and modules: the prefix scheme's paths (a distribution's Python
