@@ -15,10 +15,13 @@ expert module                                          no-host-sync support
 =====================================================  ==========================================================
 :class:`SyncFreeSequentialMLP` (this module)            yes: one ``torch._grouped_mm`` per projection over
                                                        the experts' stacked weights, rows past the blocks skipped
-``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``  accepted, never run: by Megatron's contract (megatron-core
-and ``moe_grouped_gemm``                               >= 0.19 with Transformer Engine) its fused grouped MLP takes
-                                                       device counts, as Megatron's NCCL-EP static-shape mode
-                                                       requires; no Transformer Engine expert has run with deepepv2
+``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``  only where Transformer Engine's ``GroupedLinear`` op takes
+and ``moe_grouped_gemm``                               its graph-safe grouped-tensor path (TE's
+                                                       ``is_op_fuser_grouped_tensor_path_supported``: BF16/FP16 or
+                                                       FP8 current scaling, SM90+, cuBLASLt >= 13.4 on Hopper);
+                                                       elsewhere TE splits the rows with ``tolist()`` and the layer
+                                                       is refused. Accepted, never run (the GPUs tested had
+                                                       cuBLASLt 13.1); with host sync it runs
 ``TEGroupedMLP`` without the op fuser, ``SequentialMLP``  no: they split with ``tokens_per_expert.tolist()``
 =====================================================  ==========================================================
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 from typing import Any, Iterator, Optional
 
@@ -41,12 +45,14 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
 from megatron_deepepv2 import expert_kernels, megatron_config
 
+logger = logging.getLogger(__name__)
+_warned_never_run_op_fuser = False
+
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
     "megatron_deepepv2.experts.SyncFreeSequentialMLP as the experts module of the layer spec (for an unchanged "
-    "script with the local spec: MEGATRON_DEEPEPV2_EXPERTS=sync_free), or unset MEGATRON_DEEPEPV2_NO_HOST_SYNC. "
-    "TEGroupedMLP with --moe-grouped-gemm --use-transformer-engine-op-fuser (megatron-core >= 0.19 with Transformer "
-    "Engine) is accepted too, but has never run with deepepv2."
+    "script with the local or Transformer Engine spec: MEGATRON_DEEPEPV2_EXPERTS=sync_free), or unset "
+    "MEGATRON_DEEPEPV2_NO_HOST_SYNC."
 )
 
 
@@ -54,6 +60,47 @@ def _uses_te_op_fuser(experts: Any) -> bool:
     # _with_fused_impl (megatron-core >= 0.19) is set from use_transformer_engine_op_fuser; TEGroupedMLP is
     # what moe_grouped_gemm builds.
     return isinstance(experts, TEGroupedMLP) and bool(getattr(experts, "_with_fused_impl", False))
+
+
+def te_op_fuser_host_split_reason(config: Any) -> Optional[str]:
+    """Why Transformer Engine's op-fuser ``GroupedLinear`` would read the expert counts on the host for ``config``'s
+    experts on this GPU, or None when it takes its graph-safe grouped-tensor path (device counts).
+
+    TE decides per call by dtype and quantization recipe (``is_op_fuser_grouped_tensor_path_supported``); its other
+    path splits the rows with ``split_sizes.tolist()`` and needs exactly ``sum(split_sizes)`` rows.
+
+    Args:
+        config: Megatron ``TransformerConfig`` of the layer.
+
+    Returns:
+        A sentence naming what TE lacks here, or None.
+    """
+    try:
+        from transformer_engine.pytorch.ops.basic.grouped_linear import (  # noqa: PLC0415
+            is_op_fuser_grouped_tensor_path_supported,
+        )
+    except ImportError:
+        return "this Transformer Engine has no graph-safe grouped-tensor path for its op-fuser GroupedLinear"
+    recipe = None
+    if config.fp8 or config.fp4:
+        if config.fp8:
+            from megatron.core.fp8_utils import get_fp8_recipe  # noqa: PLC0415
+
+            recipe = get_fp8_recipe(config)
+        else:
+            from megatron.core.fp4_utils import get_fp4_recipe  # noqa: PLC0415
+
+            recipe = get_fp4_recipe(config)
+    if is_op_fuser_grouped_tensor_path_supported(recipe, config.params_dtype):
+        return None
+    import transformer_engine_torch as tex  # noqa: PLC0415
+
+    version = tex.get_cublasLt_version()
+    return (f"Transformer Engine's op-fuser GroupedLinear splits the rows with tokens_per_expert.tolist() here: its "
+            f"graph-safe grouped-tensor path needs BF16/FP16 or FP8 current scaling on SM90+ and cuBLASLt >= 13.4 "
+            f"on Hopper (this GPU: SM{''.join(map(str, torch.cuda.get_device_capability()))}, cuBLASLt "
+            f"{version // 10000}.{version // 100 % 100}, params {config.params_dtype}, FP8 recipe "
+            f"{type(recipe).__name__ if recipe is not None else 'none'})")
 
 
 def device_counts_unavailable_reason(experts: Any) -> Optional[str]:
@@ -65,8 +112,12 @@ def device_counts_unavailable_reason(experts: Any) -> Optional[str]:
     Returns:
         A sentence naming the module and the fix, or None.
     """
-    if isinstance(experts, SyncFreeSequentialMLP) or _uses_te_op_fuser(experts):
+    if isinstance(experts, SyncFreeSequentialMLP):
         return None
+    if _uses_te_op_fuser(experts):
+        reason = te_op_fuser_host_split_reason(experts.config)
+        return None if reason is None else f"TEGroupedMLP with the op fuser cannot take device counts: {reason}. " \
+            + NO_HOST_SYNC_EXPERTS_HINT
     return (
         f"{type(experts).__name__} reads tokens_per_expert on the host (a device-to-host sync each step). "
         + NO_HOST_SYNC_EXPERTS_HINT
@@ -76,12 +127,21 @@ def device_counts_unavailable_reason(experts: Any) -> Optional[str]:
 def check_experts_take_device_counts(experts: Any) -> None:
     """Raises when ``experts`` cannot consume the no-host-sync dispatch output.
 
+    Logs one WARNING per process when it accepts ``TEGroupedMLP`` through Transformer Engine's graph-safe op-fuser
+    path, which has never run with deepepv2.
+
     Raises:
         ValueError: Naming the expert module and what to use instead.
     """
+    global _warned_never_run_op_fuser
     reason = device_counts_unavailable_reason(experts)
     if reason is not None:
         raise ValueError(reason)
+    if _uses_te_op_fuser(experts) and not _warned_never_run_op_fuser:
+        _warned_never_run_op_fuser = True
+        logger.warning("deepepv2 without host sync hands TEGroupedMLP's op fuser device counts through Transformer "
+                       "Engine's graph-safe grouped-tensor path, which has never run with deepepv2; "
+                       "SyncFreeSequentialMLP is the tested choice (MEGATRON_DEEPEPV2_EXPERTS=sync_free).")
 
 
 class _ZeroRowsPastBlocks(torch.autograd.Function):

@@ -45,9 +45,9 @@ def check_megatron_config(config: Any) -> None:
         raise ValueError(
             "moe_paged_stash is not supported with moe_flex_dispatcher_backend='deepepv2'. Megatron's paged stash "
             "pages only the Transformer Engine grouped tensors that TEGroupedMLP's op-fuser path saves for backward "
-            "(--use-transformer-engine-op-fuser --moe-grouped-gemm), a path that has never run with deepepv2: its "
-            "tested experts (SyncFreeSequentialMLP, SequentialMLP) save plain tensors, which paged stash leaves in "
-            "place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
+            "(--use-transformer-engine-op-fuser --moe-grouped-gemm), and that paging has never run with deepepv2: "
+            "SyncFreeSequentialMLP, SequentialMLP and TEGroupedMLP without the op fuser save plain tensors, which "
+            "paged stash leaves in place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
             "Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) works with deepepv2.")
     if config.num_moe_experts is None:
         return
@@ -83,8 +83,7 @@ def check_sync_free_experts(config: Any, expert_tp_size: int) -> None:
         raise ValueError("SyncFreeSequentialMLP supports experts without bias; pass --disable-bias-linear.")
     if config.fp8 or config.fp4:
         raise ValueError("SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; drop --fp8-format / --fp4-format for "
-                         "its experts. (FP8/FP4 experts without host sync would be TEGroupedMLP with "
-                         "--use-transformer-engine-op-fuser, which has never run with deepepv2.)")
+                         "its experts; for FP8 experts use TEGroupedMLP (--moe-grouped-gemm) with host sync.")
     if getattr(config, "delay_wgrad_compute", False):
         raise ValueError("SyncFreeSequentialMLP computes weight gradients in backward; unset --delay-wgrad-compute.")
     if getattr(config, "use_te_activation_func", False):

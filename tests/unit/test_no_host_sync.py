@@ -265,6 +265,74 @@ def test_no_host_sync_rejects_experts_that_read_counts_on_the_host() -> None:
     assert "SyncFreeSequentialMLP" in errors[0]
 
 
+def _op_fuser_experts(graph_safe: bool, monkeypatch: pytest.MonkeyPatch):
+    """``TEGroupedMLP`` experts on the op-fuser path, and Transformer Engine's path predicate answering ``graph_safe``
+    (stand-in modules: Transformer Engine does not import here)."""
+    import sys
+    from types import ModuleType
+
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from megatron_deepepv2.testing.moe_model import TinyMoEConfig
+
+    asked = []
+
+    def is_op_fuser_grouped_tensor_path_supported(recipe, dtype):
+        asked.append((recipe, dtype))
+        return graph_safe
+
+    grouped_linear = ModuleType("transformer_engine.pytorch.ops.basic.grouped_linear")
+    grouped_linear.is_op_fuser_grouped_tensor_path_supported = is_op_fuser_grouped_tensor_path_supported
+    monkeypatch.setitem(sys.modules, grouped_linear.__name__, grouped_linear)
+    tex = ModuleType("transformer_engine_torch")
+    tex.get_cublasLt_version = lambda: 130100
+    monkeypatch.setitem(sys.modules, "transformer_engine_torch", tex)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    shape = TinyMoEConfig(params_dtype=torch.bfloat16)
+    experts = TEGroupedMLP.__new__(TEGroupedMLP)  # the attributes the check reads, without TE's modules
+    experts.__dict__.update(_with_fused_impl=True, config=SimpleNamespace(fp8=None, fp4=None,
+                                                                           params_dtype=shape.params_dtype))
+    return experts, asked
+
+
+def test_op_fuser_experts_without_host_sync_need_transformer_engines_graph_safe_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEGroupedMLP through TE's op fuser takes device counts only where TE's GroupedLinear takes its graph-safe path
+    (TE's own predicate, asked with the layer's dtype and recipe); elsewhere TE splits on the host and the layer is
+    refused, saying why and what works."""
+    from megatron_deepepv2 import experts as experts_module
+
+    experts, asked = _op_fuser_experts(False, monkeypatch)
+    with pytest.raises(ValueError) as refused:
+        experts_module.check_experts_take_device_counts(experts)
+    message = str(refused.value)
+    assert "splits the rows with tokens_per_expert.tolist()" in message and "cuBLASLt 13.1" in message, message
+    assert "SM90" in message and "SyncFreeSequentialMLP" in message, message
+    assert asked == [(None, torch.bfloat16)]
+
+    experts, asked = _op_fuser_experts(True, monkeypatch)
+    monkeypatch.setattr(experts_module, "_warned_never_run_op_fuser", False)
+    with _captured_warnings("megatron_deepepv2.experts") as warnings:
+        experts_module.check_experts_take_device_counts(experts)
+        experts_module.check_experts_take_device_counts(experts)
+    assert len(warnings) == 1 and "never run" in warnings[0], warnings
+
+
+@contextlib.contextmanager
+def _captured_warnings(logger_name: str) -> Iterator[list[str]]:
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 def _experts_setting(rank: int, world: int) -> list[str]:
     _setup()
     from megatron.core.transformer.moe.experts import SequentialMLP
