@@ -40,6 +40,7 @@ LONG_TESTS = {
     "tests/unit/test_gpu_jobs.py::test_waiting_for_the_lock_does_not_count_against_the_timeout": 3,
     # GPU jobs (skipped at once without GPUs): they run one at a time, so the GPU must be busy from the start.
     "tests/functional/test_deepep.py::": 1000,
+    "tests/functional/test_transformer_engine.py::": 950,
     "tests/unit/test_readme.py::test_gpu_blocks_run_on_a_gpu_machine": 900,
     "tests/determinism/test_replay.py::test_elastic_buffer_moe_layer_replays_under_torchrun": 800,
 }

@@ -74,6 +74,8 @@ def transformer_config(shape: TinyMoEConfig, dispatcher: str):
         moe_expert_capacity_factor=shape.capacity_factor,
         moe_permute_fusion=False,
         moe_grouped_gemm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         expert_model_parallel_size=dist.get_world_size(),
         use_cpu_initialization=True,
         params_dtype=shape.params_dtype,
@@ -87,8 +89,35 @@ def transformer_config(shape: TinyMoEConfig, dispatcher: str):
     return TransformerConfig(**fields)
 
 
-def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, sync_free_experts: bool = False):
-    """Builds a megatron-core ``MoELayer`` with SequentialMLP experts (no Transformer Engine needed).
+def _layer_spec(shape: TinyMoEConfig, config, transformer_engine: bool, sync_free_experts: bool):
+    """Megatron's GPT layer spec for ``shape``: the local spec, or the Transformer Engine spec (TE attention and
+    linear layers; ``TEGroupedMLP`` experts when ``config.moe_grouped_gemm``)."""
+    from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415
+
+    if transformer_engine:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=shape.num_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
+    if sync_free_experts:
+        from megatron_deepepv2.experts import with_sync_free_experts  # noqa: PLC0415
+
+        spec = with_sync_free_experts(spec)
+    return spec
+
+
+def _seed(seed: int) -> None:
+    """Seeds the CPU generator (parameters initialise on the CPU) and Megatron's CUDA generators."""
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, sync_free_experts: bool = False,
+                    transformer_engine: bool = False):
+    """Builds a megatron-core ``MoELayer``.
 
     Args:
         shape: Layer shape.
@@ -96,25 +125,46 @@ def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, syn
         seed: Parameter-initialisation seed (identical across dispatchers and ranks).
         sync_free_experts: Use :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP` (same parameters
             as SequentialMLP, device-side token counts) for the no-host-sync mode.
+        transformer_engine: Build from Megatron's Transformer Engine spec (``TEGroupedMLP`` experts when
+            ``shape.extra`` sets ``moe_grouped_gemm``); needs Transformer Engine. Otherwise the local spec's
+            ``SequentialMLP`` (no Transformer Engine needed).
 
     Returns:
         The layer, on CUDA when available else on the CPU.
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
     from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: PLC0415
 
     init_expert_parallel()
     config = transformer_config(shape, dispatcher)
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
-    if sync_free_experts:
-        from megatron_deepepv2.experts import with_sync_free_experts  # noqa: PLC0415
-
-        spec = with_sync_free_experts(spec)
-    mlp = spec.submodules.mlp
+    mlp = _layer_spec(shape, config, transformer_engine, sync_free_experts).submodules.mlp
     submodules = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
-    torch.manual_seed(seed)
+    _seed(seed)
     layer = MoELayer(config=config, submodules=submodules)
     return layer.cuda() if torch.cuda.is_available() else layer
+
+
+def build_transformer_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, sync_free_experts: bool = False,
+                            transformer_engine: bool = True):
+    """Builds a whole GPT ``TransformerLayer``: causal self-attention, then the MoE MLP (as ``pretrain_gpt.py`` does).
+
+    Args:
+        shape: Layer shape (``shape.hidden`` divisible by the 4 attention heads).
+        dispatcher: See :func:`transformer_config`.
+        seed: Parameter-initialisation seed.
+        sync_free_experts: See :func:`build_moe_layer`.
+        transformer_engine: Megatron's Transformer Engine spec (TE attention, layer norms and linear layers), else
+            the local spec.
+
+    Returns:
+        The layer on CUDA; ``layer(x)`` takes ``[S, B, H]`` and returns ``(output, context)``.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
+
+    init_expert_parallel()
+    config = transformer_config(shape, dispatcher)
+    spec = _layer_spec(shape, config, transformer_engine, sync_free_experts)
+    _seed(seed)
+    return TransformerLayer(config=config, submodules=spec.submodules, layer_number=1).cuda()
 
 
 def layer_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

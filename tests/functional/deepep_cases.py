@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from typing import Callable
 
 import torch
@@ -33,31 +32,12 @@ from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.config import DeepepV2Settings  # noqa: E402
 from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
 from tools._bench import median_us  # noqa: E402
+from tests.functional.runner import RANK, CaseRegistry, exact, log  # noqa: E402
 
-RANK = int(os.environ.get("RANK", 0))
 # Read by cuBLAS when its handle is created; torch's deterministic algorithms (a case below) require it.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-CASES: dict[str, Callable[[], None]] = {}
-#: Cases that need more ranks than one GPU gives: name -> (smallest world, why).
-MIN_WORLD: dict[str, tuple[int, str]] = {}
-
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def needs_world(size: int, reason: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    """Marks a case that runs only on ``size`` or more ranks, saying why."""
-    def mark(fn: Callable[[], None]) -> Callable[[], None]:
-        MIN_WORLD[fn.__name__] = (size, reason)
-        return fn
-    return mark
-
-
-def log(message: str) -> None:
-    if RANK == 0:
-        print(message, flush=True)
+CASES = CaseRegistry()
+case, needs_world = CASES.case, CASES.needs_world
 
 
 def make_routing(tokens: int, hidden: int, experts: int, topk: int, seed: int, drop: float = 0.1):
@@ -69,13 +49,6 @@ def make_routing(tokens: int, hidden: int, experts: int, topk: int, seed: int, d
         idx[0] = -1  # a token with no expert at all
     weights = torch.rand(tokens, topk, generator=gen)
     return x.cuda(), idx.cuda().contiguous(), weights.cuda().contiguous()
-
-
-def exact(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    if not torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b):
-        diff = (a.float() - b.float()).abs().max().item()
-        raise AssertionError(f"{name}: not bitwise equal (max abs diff {diff:.3e})")
 
 
 def tokens_for_rank(world: int, base: int) -> int:
@@ -997,41 +970,5 @@ def sizing_model_matches_deepep() -> None:
             assert deepep == model, f"T{tokens} H{hidden} K{topk} fp8={use_fp8}: DeepEP {deepep} B, model {model} B"
 
 
-def main() -> int:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    from megatron_deepepv2.testing.moe_model import init_expert_parallel
-
-    init_expert_parallel()
-    excepted = {arg.removeprefix("--except=") for arg in sys.argv[1:] if arg.startswith("--except=")}
-    selected = [name for name in ([arg for arg in sys.argv[1:] if not arg.startswith("--")] or CASES)
-                if name not in excepted]
-    outcomes = {"passed": 0, "skipped": 0, "failed": 0}
-    world = dist.get_world_size()
-    for name in selected:
-        min_world, reason = MIN_WORLD.get(name, (1, ""))
-        if world < min_world:
-            outcomes["skipped"] += 1
-            log(f"SKIP {name}: needs {min_world}+ ranks ({reason})")
-            continue
-        start = time.perf_counter()
-        try:
-            CASES[name]()
-            dist.barrier()
-            outcomes["passed"] += 1
-            log(f"PASS {name} ({time.perf_counter() - start:.1f}s)")
-        except Exception:  # noqa: BLE001 - reported per case
-            outcomes["failed"] += 1
-            print(f"FAIL {name} on rank {RANK}\n{traceback.format_exc()}", flush=True)
-            break  # peers may be inside a collective; stop instead of hanging
-    log(f"cases at world {world}: {outcomes['passed']} passed, {outcomes['skipped']} skipped, "
-        f"{outcomes['failed']} failed of {len(selected)}")
-    failures = outcomes["failed"]
-    dv2.destroy_buffers()
-    dist.destroy_process_group()
-    return 1 if failures else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(CASES.main(sys.argv[1:]))

@@ -17,7 +17,7 @@ import torch
 from tests.gpu_jobs import run_gpu_job, torchrun_command
 
 
-def _skip_reason(min_gpus: int) -> str | None:
+def skip_reason(min_gpus: int) -> str | None:
     if torch.cuda.device_count() < min_gpus:
         return f"needs >= {min_gpus} CUDA GPU(s) (found {torch.cuda.device_count()})"
     from megatron_deepepv2.backends.deepep import DeepEPBackend
@@ -32,25 +32,41 @@ pytestmark = [pytest.mark.gpu]
 OWN_JOB_CASES = ("moe_layer_replays_bit_exact_in_deterministic_mode",)
 
 
-def _run_cases(nproc: int, timeout: float) -> None:
-    skipped = [f"--except={name}" for name in OWN_JOB_CASES] if nproc <= 2 else []
-    done = run_gpu_job(torchrun_command("tests/functional/deepep_cases.py", *skipped, nproc=nproc), timeout=timeout)
+def run_case_file(path: str, nproc: int, timeout: float, excepted: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Runs a case file under ``torchrun`` on ``nproc`` GPUs and asserts no case failed.
+
+    Args:
+        path: The case file, relative to the repository root.
+        nproc: Ranks (one per GPU).
+        timeout: Seconds the job may run (waiting for the GPU-job lock not counted).
+        excepted: Cases left out.
+
+    Returns:
+        ``(passed, skipped)`` case counts.
+    """
+    done = run_gpu_job(torchrun_command(path, *(f"--except={name}" for name in excepted), nproc=nproc),
+                       timeout=timeout)
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = re.search(r"cases at world \d+: (\d+) passed, (\d+) skipped, (\d+) failed of (\d+)", done.stdout)
     assert summary, done.stdout[-4000:]
     passed, skipped, failed, total = map(int, summary.groups())
     assert failed == 0 and passed + skipped == total and "FAIL" not in done.stdout, done.stdout[-4000:]
+    return passed, skipped
 
 
-@pytest.mark.skipif(_skip_reason(1) is not None, reason=str(_skip_reason(1)))
+def _run_cases(nproc: int, timeout: float) -> None:
+    run_case_file("tests/functional/deepep_cases.py", nproc, timeout, OWN_JOB_CASES if nproc <= 2 else ())
+
+
+@pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.timeout(900)
 def test_deepep_cases_on_one_gpu() -> None:
     """Every case at EP=1 (a 1-rank group): only the ones that need two ranks skip, each saying why."""
     _run_cases(1, timeout=880)
 
 
-@pytest.mark.skipif(_skip_reason(2) is not None, reason=str(_skip_reason(2)))
+@pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))
 @pytest.mark.timeout(900)
 def test_deepep_cases_under_torchrun() -> None:
     """Every case at EP2: uneven token counts with an empty rank, NVLink traffic between the GPUs."""
@@ -63,7 +79,7 @@ def _node_size() -> int:
     return 8 if count >= 8 else 4 if count >= 4 else 0
 
 
-@pytest.mark.skipif(_skip_reason(4) is not None, reason=f"EP4/EP8: {_skip_reason(4)}")
+@pytest.mark.skipif(skip_reason(4) is not None, reason=f"EP4/EP8: {skip_reason(4)}")
 @pytest.mark.timeout(1800)
 def test_deepep_cases_at_node_size() -> None:
     """The same cases at EP4 or EP8 (every GPU of the node), where tokens reach few of many ranks."""

@@ -1,0 +1,114 @@
+"""What the GPU functional case files (``deepep_cases.py``, ``te_cases.py``) share: a registry of named cases, the
+rank-0 log, the bitwise comparison, and ``main``, which runs the selected cases under ``torchrun`` (one process per
+GPU) and prints ``PASS name`` / ``SKIP name: reason`` / ``FAIL name`` per case and one summary line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+RANK = int(os.environ.get("RANK", 0))
+
+Case = Callable[[], None]
+
+
+def log(message: str) -> None:
+    """Prints ``message`` on rank 0."""
+    if RANK == 0:
+        print(message, flush=True)
+
+
+def exact(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Asserts ``a`` and ``b`` have the same dtype, shape and bits (FP8 compared as bytes).
+
+    Raises:
+        AssertionError: Naming ``name`` and the largest difference.
+    """
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if not torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                       b.view(torch.uint8) if b.element_size() == 1 else b):
+        diff = (a.float() - b.float()).abs().max().item()
+        raise AssertionError(f"{name}: not bitwise equal (max abs diff {diff:.3e})")
+
+
+class CaseRegistry:
+    """The cases of one file, in definition order, and the smallest world each needs."""
+
+    def __init__(self) -> None:
+        self.cases: dict[str, Case] = {}
+        self.min_world: dict[str, tuple[int, str]] = {}
+
+    def case(self, fn: Case) -> Case:
+        """Registers ``fn`` as a case named after it."""
+        self.cases[fn.__name__] = fn
+        return fn
+
+    def needs_world(self, size: int, reason: str) -> Callable[[Case], Case]:
+        """Marks a case that runs only on ``size`` or more ranks, saying why."""
+        def mark(fn: Case) -> Case:
+            self.min_world[fn.__name__] = (size, reason)
+            return fn
+        return mark
+
+    def main(self, argv: list[str], skip_all: Optional[str] = None) -> int:
+        """Runs the cases named in ``argv`` (all when none is named; ``--except=NAME`` leaves one out).
+
+        Each rank initialises an NCCL group over its GPU and Megatron's expert-parallel state first. After a failure
+        on two or more ranks the run stops (the peers may be inside a collective); on one rank it goes on.
+
+        Args:
+            argv: Case names and ``--except=NAME`` options.
+            skip_all: A reason every case is skipped for (e.g. a missing dependency), or None.
+
+        Returns:
+            The exit status: 1 when a case failed, else 0.
+        """
+        from megatron_deepepv2 import destroy_buffers  # noqa: PLC0415
+        from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
+
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        init_expert_parallel()
+        excepted = {arg.removeprefix("--except=") for arg in argv if arg.startswith("--except=")}
+        selected = [name for name in ([arg for arg in argv if not arg.startswith("--")] or self.cases)
+                    if name not in excepted]
+        unknown = [name for name in selected if name not in self.cases]
+        if unknown:
+            raise SystemExit(f"unknown case(s) {unknown}; the cases are {list(self.cases)}")
+        outcomes = {"passed": 0, "skipped": 0, "failed": 0}
+        world = dist.get_world_size()
+        for name in selected:
+            min_world, reason = self.min_world.get(name, (1, ""))
+            why = skip_all or (f"needs {min_world}+ ranks ({reason})" if world < min_world else None)
+            if why:
+                outcomes["skipped"] += 1
+                log(f"SKIP {name}: {why}")
+                continue
+            start = time.perf_counter()
+            try:
+                self.cases[name]()
+                dist.barrier()
+                outcomes["passed"] += 1
+                log(f"PASS {name} ({time.perf_counter() - start:.1f}s)")
+            except Exception:  # noqa: BLE001 - reported per case
+                outcomes["failed"] += 1
+                print(f"FAIL {name} on rank {RANK}\n{traceback.format_exc()}", flush=True)
+                destroy_buffers()
+                if world > 1:
+                    break  # peers may be inside a collective; stop instead of hanging
+        log(f"cases at world {world}: {outcomes['passed']} passed, {outcomes['skipped']} skipped, "
+            f"{outcomes['failed']} failed of {len(selected)}")
+        destroy_buffers()
+        dist.destroy_process_group()
+        return 1 if outcomes["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit("run a case file (tests/functional/deepep_cases.py, tests/functional/te_cases.py) instead")
