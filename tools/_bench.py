@@ -20,7 +20,7 @@ Every benchmark here times, starts and writes the same way, so that their number
 * :func:`setup_logging`: progress lines on stderr;
 * :func:`provenance`: the git commit the numbers come from (and whether the tree had uncommitted changes), where
   that commit was read (``BENCH_GIT_REVISION``, the package's own git checkout, or unknown) and the date, for the JSON
-  document;
+  document, and :func:`software_versions`: the versions of the packages the numbers ran with;
 * :func:`write_outputs`, with :func:`new_figure`, :func:`grouped_bars` and :func:`save_figure`: the JSON document
   and its PNG plot (matplotlib, Agg backend; without matplotlib the JSON is written and a warning says how to get
   the plot).
@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -539,6 +540,33 @@ def provenance(path: Optional[str] = None) -> dict[str, Any]:
                 dirty = None if status is None else bool(status)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {"git_commit": commit, "git_dirty": dirty, "commit_source": source, "date": date}
+
+
+#: The distributions whose versions a record names (:func:`software_versions`).
+RECORDED_PACKAGES = ("torch", "megatron-core", "deep_ep", "transformer_engine", "megatron-deepepv2")
+
+
+def software_versions(packages: Sequence[str] = RECORDED_PACKAGES) -> dict[str, Optional[str]]:
+    """The installed versions of ``packages`` (None where one is not installed) and, with CUDA, the NCCL PyTorch
+    loaded (``"nccl"``).
+
+    Args:
+        packages: Distribution names.
+
+    Returns:
+        ``{name: version or None}``.
+    """
+    versions: dict[str, Optional[str]] = {}
+    for package in packages:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    import torch  # noqa: PLC0415  (not at import time: see the module docstring)
+
+    if torch.cuda.is_available():
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return versions
 
 
 # --------------------------------------------------------------------------------------------------- outputs

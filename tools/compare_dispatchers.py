@@ -789,12 +789,7 @@ def write_outputs(rows: list[dict], out: str, meta: dict, with_plot: bool = True
 
 def run_metadata(args: argparse.Namespace, cuda: bool) -> dict:
     """What the JSON says about the run: settings, SMs, commit, date, versions, variants and their baselines."""
-    versions = {}
-    for package in ("torch", "megatron-core", "deep_ep", "megatron-deepepv2"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
+    versions = _bench.software_versions()
     return {
         **_bench.provenance(__file__),
         "deepepv2_backend": "deepep (ElasticBuffer)" if cuda else "reference",

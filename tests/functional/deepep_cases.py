@@ -971,4 +971,4 @@ def sizing_model_matches_deepep() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(CASES.main(sys.argv[1:]))
+    sys.exit(CASES.main(sys.argv[1:], what=__doc__.split("\n\n")[0]))

@@ -1,14 +1,16 @@
 """What the GPU functional case files (``deepep_cases.py``, ``te_cases.py``) share: a registry of named cases, the
 rank-0 log, the bitwise comparison, and ``main``, which runs the selected cases under ``torchrun`` (one process per
-GPU) and prints ``PASS name`` / ``SKIP name: reason`` / ``FAIL name`` per case and one summary line."""
+GPU), prints ``PASS name`` / ``SKIP name: reason`` / ``FAIL name`` per case and one summary line, and with
+``--json=PATH`` records the run (each case's outcome, seconds and log lines; commit, date, GPU and versions)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,12 +18,15 @@ import torch.distributed as dist
 RANK = int(os.environ.get("RANK", 0))
 
 Case = Callable[[], None]
+#: What :func:`log` printed since the running case started (rank 0), for the run's record.
+_case_log: list[str] = []
 
 
 def log(message: str) -> None:
-    """Prints ``message`` on rank 0."""
+    """Prints ``message`` on rank 0 (and keeps it for the running case's record)."""
     if RANK == 0:
         print(message, flush=True)
+        _case_log.append(message)
 
 
 def exact(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -56,15 +61,17 @@ class CaseRegistry:
             return fn
         return mark
 
-    def main(self, argv: list[str], skip_all: Optional[str] = None) -> int:
-        """Runs the cases named in ``argv`` (all when none is named; ``--except=NAME`` leaves one out).
+    def main(self, argv: list[str], skip_all: Optional[str] = None, what: str = "") -> int:
+        """Runs the cases named in ``argv`` (all when none is named; ``--except=NAME`` leaves one out; ``--json=PATH``
+        writes the run's record on rank 0).
 
         Each rank initialises an NCCL group over its GPU and Megatron's expert-parallel state first. After a failure
         on two or more ranks the run stops (the peers may be inside a collective); on one rank it goes on.
 
         Args:
-            argv: Case names and ``--except=NAME`` options.
+            argv: Case names, ``--except=NAME`` and ``--json=PATH`` options.
             skip_all: A reason every case is skipped for (e.g. a missing dependency), or None.
+            what: One sentence for the record: what the case file checks.
 
         Returns:
             The exit status: 1 when a case failed, else 0.
@@ -76,38 +83,62 @@ class CaseRegistry:
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         init_expert_parallel()
+        options = {arg.split("=", 1)[0]: arg.split("=", 1)[-1] for arg in argv if arg.startswith("--")}
         excepted = {arg.removeprefix("--except=") for arg in argv if arg.startswith("--except=")}
         selected = [name for name in ([arg for arg in argv if not arg.startswith("--")] or self.cases)
                     if name not in excepted]
         unknown = [name for name in selected if name not in self.cases]
         if unknown:
             raise SystemExit(f"unknown case(s) {unknown}; the cases are {list(self.cases)}")
-        outcomes = {"passed": 0, "skipped": 0, "failed": 0}
+        records: dict[str, dict[str, Any]] = {}
         world = dist.get_world_size()
         for name in selected:
             min_world, reason = self.min_world.get(name, (1, ""))
             why = skip_all or (f"needs {min_world}+ ranks ({reason})" if world < min_world else None)
             if why:
-                outcomes["skipped"] += 1
+                records[name] = {"outcome": "skipped", "reason": why}
                 log(f"SKIP {name}: {why}")
                 continue
+            _case_log.clear()
             start = time.perf_counter()
             try:
                 self.cases[name]()
                 dist.barrier()
-                outcomes["passed"] += 1
-                log(f"PASS {name} ({time.perf_counter() - start:.1f}s)")
             except Exception:  # noqa: BLE001 - reported per case
-                outcomes["failed"] += 1
-                print(f"FAIL {name} on rank {RANK}\n{traceback.format_exc()}", flush=True)
+                failure = traceback.format_exc()
+                records[name] = {"outcome": "failed", "seconds": round(time.perf_counter() - start, 1),
+                                 "log": list(_case_log), "traceback": failure[-4000:]}
+                print(f"FAIL {name} on rank {RANK}\n{failure}", flush=True)
                 destroy_buffers()
                 if world > 1:
                     break  # peers may be inside a collective; stop instead of hanging
-        log(f"cases at world {world}: {outcomes['passed']} passed, {outcomes['skipped']} skipped, "
-            f"{outcomes['failed']} failed of {len(selected)}")
+                continue
+            records[name] = {"outcome": "passed", "seconds": round(time.perf_counter() - start, 1),
+                             "log": list(_case_log)}
+            log(f"PASS {name} ({records[name]['seconds']:.1f}s)")
+        counts = {outcome: sum(r["outcome"] == outcome for r in records.values())
+                  for outcome in ("passed", "skipped", "failed")}
+        summary = (f"cases at world {world}: {counts['passed']} passed, {counts['skipped']} skipped, "
+                   f"{counts['failed']} failed of {len(selected)}")
+        log(summary)
+        if "--json" in options and RANK == 0:
+            _write_record(options["--json"], what, world, summary, records)
         destroy_buffers()
         dist.destroy_process_group()
-        return 1 if outcomes["failed"] else 0
+        return 1 if counts["failed"] else 0
+
+
+def _write_record(path: str, what: str, world: int, summary: str, records: dict[str, dict[str, Any]]) -> None:
+    """Writes a run's record: what ran, its commit and date, the GPU, the versions and every case's outcome."""
+    from tools import _bench  # noqa: PLC0415
+
+    document = {"what": what, "command": " ".join(sys.argv), **_bench.provenance(__file__),
+                "hardware": f"{world}x {torch.cuda.get_device_name()}", "versions": _bench.software_versions(),
+                "summary": summary, "cases": records}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2)
+        f.write("\n")
 
 
 if __name__ == "__main__":

@@ -286,4 +286,4 @@ def te_layer_cuda_graph_replay_equals_eager() -> None:
 
 if __name__ == "__main__":
     dv2.install()
-    sys.exit(CASES.main(sys.argv[1:], skip_all=transformer_engine_missing()))
+    sys.exit(CASES.main(sys.argv[1:], skip_all=transformer_engine_missing(), what=__doc__.split("\n\n")[0]))
