@@ -82,15 +82,14 @@ def te_op_fuser_host_split_reason(config: Any) -> Optional[str]:
     except ImportError:
         return "this Transformer Engine has no graph-safe grouped-tensor path for its op-fuser GroupedLinear"
     recipe = None
-    if config.fp8 or config.fp4:
-        if config.fp8:
-            from megatron.core.fp8_utils import get_fp8_recipe  # noqa: PLC0415
+    if config.fp8:
+        from megatron.core.fp8_utils import get_fp8_recipe  # noqa: PLC0415
 
-            recipe = get_fp8_recipe(config)
-        else:
-            from megatron.core.fp4_utils import get_fp4_recipe  # noqa: PLC0415
+        recipe = get_fp8_recipe(config)
+    elif config.fp4:
+        from megatron.core.fp4_utils import get_fp4_recipe  # noqa: PLC0415
 
-            recipe = get_fp4_recipe(config)
+        recipe = get_fp4_recipe(config)
     if is_op_fuser_grouped_tensor_path_supported(recipe, config.params_dtype):
         return None
     import transformer_engine_torch as tex  # noqa: PLC0415

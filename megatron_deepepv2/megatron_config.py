@@ -47,8 +47,9 @@ def check_megatron_config(config: Any) -> None:
             "pages only the Transformer Engine grouped tensors that TEGroupedMLP's op-fuser path saves for backward "
             "(--use-transformer-engine-op-fuser --moe-grouped-gemm), and that paging has never run with deepepv2: "
             "SyncFreeSequentialMLP, SequentialMLP and TEGroupedMLP without the op fuser save plain tensors, which "
-            "paged stash leaves in place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds the experts' receive, and "
-            "Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) works with deepepv2.")
+            "paged stash leaves in place. Drop --moe-paged-stash: --moe-expert-rank-capacity-factor alone bounds "
+            "the experts' receive, and Megatron's over-budget rerun (a dropless rerun of a step that dropped tokens) "
+            "works with deepepv2.")
     if config.num_moe_experts is None:
         return
     if config.moe_token_dispatcher_type != "flex":
