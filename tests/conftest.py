@@ -38,10 +38,11 @@ LONG_TESTS = {
     "tests/unit/test_bench_hot_path.py::test_without_a_gpu_it_says_what_it_needs": 4,
     "tests/unit/test_distributed_harness.py::test_a_hung_rank_fails_after_the_timeout_with_its_stack": 4,
     "tests/unit/test_gpu_jobs.py::test_waiting_for_the_lock_does_not_count_against_the_timeout": 3,
-    # GPU jobs (skipped at once without GPUs): they run one at a time, so the GPU must be busy from the start.
+    # GPU jobs (skipped at once without GPUs): the GPU must be busy from the start. The README's GPU blocks come first:
+    # their installer runs alone (tests/gpu_jobs.py), before the jobs that share the GPU.
+    "tests/unit/test_readme.py::test_gpu_blocks_run_on_a_gpu_machine": 1100,
     "tests/functional/test_deepep.py::": 1000,
     "tests/functional/test_transformer_engine.py::": 950,
-    "tests/unit/test_readme.py::test_gpu_blocks_run_on_a_gpu_machine": 900,
     "tests/determinism/test_replay.py::test_elastic_buffer_moe_layer_replays_under_torchrun": 800,
 }
 
@@ -55,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # long tests, first in the order below, would all go to the first worker. One at a time, they spread.
     if getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
-    # GPU jobs run one at a time (tests/gpu_jobs.py): a test's timeout stops while it waits for the GPU-job lock.
+    # GPU jobs share the GPU or run alone (tests/gpu_jobs.py): a test's timeout stops while it waits for their lock.
     config.pluginmanager.register(gpu_jobs, "gpu_jobs")
 
 

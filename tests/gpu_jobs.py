@@ -1,17 +1,18 @@
-"""How the pytest wrappers of the GPU suites start their torchrun jobs: one at a time, on a free port.
+"""How the pytest wrappers of the GPU suites start their torchrun jobs: sharing the GPU or alone, on a free port.
 
-``make test`` runs pytest with several ``-n`` workers, so the GPU wrappers (the functional suite, the ElasticBuffer
-replays, `make demo` and the GPU blocks of the README test) can be collected by different workers at once. Each job
-needs all GPUs and a rendezvous port, so :func:`exclusive_gpus` (:func:`run_gpu_job` uses it) holds a machine-wide file
-lock for the job's duration and every torchrun command gets a port that is free when it is built. The environment is
-the test process's minus the settings the test conftest forces for CPU tests (value validation synchronises the host,
-which the no-host-sync and CUDA-graph cases forbid).
+``make test`` runs pytest with several ``-n`` workers, so the GPU wrappers (the functional suite in shards, the
+ElasticBuffer replays, `make demo` and the GPU blocks of the README test) can be collected by different workers at
+once. :func:`gpu_job_lock` (:func:`run_gpu_job` uses it) holds a machine-wide file lock for a job's duration: jobs of
+one rank share it, up to :func:`job_slots` at a time (``MEGATRON_DEEPEPV2_GPU_JOB_SLOTS``, default
+:data:`DEFAULT_JOB_SLOTS`), and a job of several ranks holds it alone. Every torchrun command gets a rendezvous port
+that is free when it is built. The environment is the test process's minus the settings the test conftest forces for
+CPU tests (value validation synchronises the host, which the no-host-sync and CUDA-graph cases forbid).
 
 Waiting for the lock does not count against the waiting test's pytest-timeout. This module is also a pytest plugin
 (tests/conftest.py registers it) that notes when pytest-timeout arms a test's timer; a test that finds the lock taken
 cancels its timer (through pytest-timeout's own hooks, so both its signal and thread methods) while it waits and, once
 it holds the lock, arms it again with what is left of its timeout. The timeout still limits everything the test does
-itself, its GPU jobs included. A wait gives up after :data:`MAX_LOCK_WAIT_S`, naming the holder.
+itself, its GPU jobs included. A wait gives up after :data:`MAX_LOCK_WAIT_S`, naming the holders.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ CPU_TEST_SETTINGS = ("MEGATRON_DEEPEPV2_VALIDATE", "TORCHDYNAMO_DISABLE")
 #: How long a job waits for the lock before it fails: far beyond the GPU jobs' run times together (each is bounded by
 #: its test's timeout), so it ends only a wait on a holder that no timeout stops (a stopped process, say).
 MAX_LOCK_WAIT_S = 3600.0
+#: The variable that sets how many one-rank GPU jobs may run at once, and its default.
+SLOTS_VARIABLE = "MEGATRON_DEEPEPV2_GPU_JOB_SLOTS"
+DEFAULT_JOB_SLOTS = 4
 _POLL_S = 0.1
 
 #: The running test's pytest-timeout timer: (item, settings, when its budget started, the thread that runs the test).
@@ -103,48 +107,116 @@ def torchrun_command(script: str, *args: str, nproc: int = 2) -> list[str]:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ROOT / script), *args]
 
 
-def _try_lock(lock: IO[str]) -> bool:
+def job_slots() -> int:
+    """How many one-GPU jobs may share the GPU at once: ``MEGATRON_DEEPEPV2_GPU_JOB_SLOTS``, else
+    :data:`DEFAULT_JOB_SLOTS`.
+
+    Raises:
+        ValueError: The variable is set to something other than a positive integer.
+    """
+    value = os.environ.get(SLOTS_VARIABLE, "").strip()
+    if not value:
+        return DEFAULT_JOB_SLOTS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{SLOTS_VARIABLE}={value!r}: expected a positive integer (1 runs the GPU jobs one at a time)")
+    return int(value)
+
+
+def _try_lock(lock: IO[str], shared: bool = False) -> bool:
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     return True
 
 
+def _slot_path(lock_path: Path, index: int) -> Path:
+    return Path(lock_path).with_suffix(f".slot{index}")
+
+
+def _holders(lock_path: Path, slots: int) -> str:
+    """Who holds the lock or its slots, as they wrote it (for the message of a wait that gave up)."""
+    names = [path.read_text().strip() for path in [Path(lock_path), *(_slot_path(lock_path, i) for i in range(slots))]
+             if path.exists()]
+    return "; ".join(name for name in names if name) or "an unknown process"
+
+
+def _take_slot(lock_path: Path, slots: int) -> IO[str] | None:
+    """One free slot's file, locked, or None when all ``slots`` are taken."""
+    for index in range(slots):
+        slot = open(_slot_path(lock_path, index), "a+")
+        if _try_lock(slot):
+            return slot
+        slot.close()
+    return None
+
+
 @contextlib.contextmanager
-def exclusive_gpus(lock_path: Path = LOCK_PATH, max_wait: float = MAX_LOCK_WAIT_S) -> Iterator[None]:
-    """Holds the machine-wide GPU-job lock (waits, untimed, for a job of another pytest worker to finish).
+def gpu_job_lock(gpus: int, alone: bool = False, lock_path: Path = LOCK_PATH, max_wait: float = MAX_LOCK_WAIT_S,
+                 slots: int | None = None) -> Iterator[None]:
+    """Holds the machine-wide GPU-job lock for a job on ``gpus`` GPUs (waits, untimed, for jobs of other workers).
+
+    Jobs of one rank share the GPU, up to ``slots`` at a time: each is small next to an H100's memory and mostly waits
+    on its host (imports, DeepEP's JIT compilation), so they overlap well. A job of several ranks has every GPU to
+    itself (its ranks' all-to-alls would otherwise share the links and the SMs with other jobs).
 
     Args:
+        gpus: The job's ranks, one per GPU.
+        alone: Run with no other job whatever ``gpus`` is: the job changes what the others use (it installs into
+            the Python environment they import from).
         lock_path: The lock file (another one only in the lock's own tests, which must not wait for real GPU jobs).
-        max_wait: Seconds to wait for the lock before raising ``TimeoutError`` with the holder's process and test.
+        max_wait: Seconds to wait for the lock before raising ``TimeoutError`` naming the holders.
+        slots: How many one-rank jobs may run at once; :func:`job_slots` when None. 1 runs every job alone.
+
+    Raises:
+        TimeoutError: The lock was not free within ``max_wait`` seconds.
     """
+    slots = job_slots() if slots is None else slots
+    shared = gpus == 1 and slots > 1 and not alone
     asked = time.monotonic()
     with open(lock_path, "a+") as lock:
-        if not _try_lock(lock):
+
+        def attempt() -> IO[str] | None:
+            """The file this job writes its name into, once it holds the lock (and a slot), else None."""
+            if not _try_lock(lock, shared):
+                return None
+            if not shared:
+                return lock
+            slot = _take_slot(Path(lock_path), slots)
+            if slot is None:
+                fcntl.flock(lock, fcntl.LOCK_UN)  # all slots taken: let a job of several GPUs queue meanwhile
+            return slot
+
+        mine = attempt()
+        if mine is None:
             with _timeout_paused():
                 deadline = time.monotonic() + max_wait
-                while not _try_lock(lock):
+                while (mine := attempt()) is None:
                     if time.monotonic() >= deadline:
-                        holder = Path(lock_path).read_text().strip() or "an unknown process"
-                        raise TimeoutError(f"waited {max_wait:g} s for the GPU-job lock {lock_path}, held by {holder}")
+                        raise TimeoutError(f"waited {max_wait:g} s for the GPU-job lock {lock_path}, held by "
+                                           f"{_holders(Path(lock_path), slots)}")
                     time.sleep(_POLL_S)
         held = time.monotonic()
         holder = os.environ.get("PYTEST_CURRENT_TEST") or " ".join(sys.argv)
         try:
-            lock.truncate(0)  # who holds it, for the message above
-            lock.write(f"pid {os.getpid()} ({holder})\n")
-            lock.flush()
+            mine.truncate(0)  # who holds it, for the message above
+            mine.write(f"pid {os.getpid()} ({holder})\n")
+            mine.flush()
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            mine.truncate(0)
+            fcntl.flock(mine, fcntl.LOCK_UN)
+            if mine is not lock:
+                mine.close()
+                fcntl.flock(lock, fcntl.LOCK_UN)
             with open(Path(lock_path).with_suffix(".log"), "a") as log:
-                log.write(f"{time.strftime('%H:%M:%S')} {holder}: waited {held - asked:.1f} s, held "
+                log.write(f"{time.strftime('%H:%M:%S')} {holder} [{gpus} GPU{'s' if gpus > 1 else ''}, "
+                          f"{'shared' if shared else 'alone'}]: waited {held - asked:.1f} s, held "
                           f"{time.monotonic() - held:.1f} s\n")
 
 
-def run_gpu_job(command: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
-    """Runs one GPU job under the lock, from the repository root, capturing its output."""
-    with exclusive_gpus():
+def run_gpu_job(command: Sequence[str], timeout: float, gpus: int) -> subprocess.CompletedProcess:
+    """Runs one GPU job of ``gpus`` ranks under the lock, from the repository root, capturing its output."""
+    with gpu_job_lock(gpus):
         return subprocess.run(list(command), capture_output=True, text=True, env=gpu_job_env(), timeout=timeout,
                               cwd=ROOT)

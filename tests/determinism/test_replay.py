@@ -183,7 +183,8 @@ def test_elastic_buffer_moe_layer_replays_under_torchrun() -> None:
     deterministic mode on; reported (not asserted) with it off."""
     from tests.gpu_jobs import run_gpu_job, torchrun_command
 
+    ranks = min(2, torch.cuda.device_count())
     done = run_gpu_job(torchrun_command("tests/functional/deepep_cases.py",
-                                        "moe_layer_replays_bit_exact_in_deterministic_mode",
-                                        nproc=min(2, torch.cuda.device_count())), timeout=580)
+                                        "moe_layer_replays_bit_exact_in_deterministic_mode", nproc=ranks),
+                       timeout=580, gpus=ranks)
     assert done.returncode == 0 and "PASS moe_layer_replays" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -61,15 +61,32 @@ class CaseRegistry:
             return fn
         return mark
 
+    def select(self, argv: list[str]) -> list[str]:
+        """The cases ``argv`` chooses, in definition order: those named (all when none is named), less each
+        ``--except=NAME``; with ``--shard=I/N``, every N-th of them from the I-th on (the N shards partition them).
+
+        Raises:
+            SystemExit: A named case does not exist, or the shard is not ``I/N`` with ``0 <= I < N``.
+        """
+        excepted = {arg.removeprefix("--except=") for arg in argv if arg.startswith("--except=")}
+        named = [arg for arg in argv if not arg.startswith("--")]
+        unknown = [name for name in [*named, *excepted] if name not in self.cases]
+        if unknown:
+            raise SystemExit(f"unknown case(s) {unknown}; the cases are {list(self.cases)}")
+        selected = [name for name in self.cases if (name in named or not named) and name not in excepted]
+        for arg in argv:
+            if arg.startswith("--shard="):
+                selected = selected[slice(*_shard(arg.removeprefix("--shard=")))]
+        return selected
+
     def main(self, argv: list[str], skip_all: Optional[str] = None, what: str = "") -> int:
-        """Runs the cases named in ``argv`` (all when none is named; ``--except=NAME`` leaves one out; ``--json=PATH``
-        writes the run's record on rank 0).
+        """Runs the cases :meth:`select` chooses from ``argv``; ``--json=PATH`` writes the run's record on rank 0.
 
         Each rank initialises an NCCL group over its GPU and Megatron's expert-parallel state first. After a failure
         on two or more ranks the run stops (the peers may be inside a collective); on one rank it goes on.
 
         Args:
-            argv: Case names, ``--except=NAME`` and ``--json=PATH`` options.
+            argv: Case names, ``--except=NAME``, ``--shard=I/N`` and ``--json=PATH`` options.
             skip_all: A reason every case is skipped for (e.g. a missing dependency), or None.
             what: One sentence for the record: what the case file checks.
 
@@ -79,17 +96,12 @@ class CaseRegistry:
         from megatron_deepepv2 import destroy_buffers  # noqa: PLC0415
         from megatron_deepepv2.testing.moe_model import init_expert_parallel  # noqa: PLC0415
 
+        selected = self.select(argv)  # a bad argument fails here, before any GPU work
+        options = {arg.split("=", 1)[0]: arg.split("=", 1)[-1] for arg in argv if arg.startswith("--")}
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         init_expert_parallel()
-        options = {arg.split("=", 1)[0]: arg.split("=", 1)[-1] for arg in argv if arg.startswith("--")}
-        excepted = {arg.removeprefix("--except=") for arg in argv if arg.startswith("--except=")}
-        selected = [name for name in ([arg for arg in argv if not arg.startswith("--")] or self.cases)
-                    if name not in excepted]
-        unknown = [name for name in selected if name not in self.cases]
-        if unknown:
-            raise SystemExit(f"unknown case(s) {unknown}; the cases are {list(self.cases)}")
         records: dict[str, dict[str, Any]] = {}
         world = dist.get_world_size()
         for name in selected:
@@ -126,6 +138,18 @@ class CaseRegistry:
         destroy_buffers()
         dist.destroy_process_group()
         return 1 if counts["failed"] else 0
+
+
+def _shard(spec: str) -> tuple[int, None, int]:
+    """``I/N`` as the slice ``I::N`` (the I-th of N shards, counting from 0).
+
+    Raises:
+        SystemExit: ``spec`` is not two integers with ``0 <= I < N``.
+    """
+    index, _, count = spec.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise SystemExit(f"--shard={spec}: expected I/N with 0 <= I < N, e.g. --shard=0/4")
+    return int(index), None, int(count)
 
 
 def _write_record(path: str, what: str, world: int, summary: str, records: dict[str, dict[str, Any]]) -> None:

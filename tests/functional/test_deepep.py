@@ -3,7 +3,7 @@
 Needs CUDA GPUs with DeepEP v2 (``deep_ep.ElasticBuffer``); skipped with the reason otherwise. One GPU runs every
 case at EP=1 (a 1-rank group: every kernel, stream, event, graph and determinism property, no NVLink traffic);
 two GPUs run them at EP2, with uneven tokens and an empty rank, and 4 or 8 at node size. Each test starts its own
-``torchrun``, one job at a time (:mod:`tests.gpu_jobs`), so it runs from a plain ``pytest`` / ``make test`` with
+``torchrun`` (one-GPU jobs share the GPU: :mod:`tests.gpu_jobs`), so it runs from ``pytest`` / ``make test`` with
 ``-n`` workers. The training comparison on the GPUs is ``make demo``, which ``tests/unit/test_readme.py`` runs.
 """
 
@@ -32,20 +32,19 @@ pytestmark = [pytest.mark.gpu]
 OWN_JOB_CASES = ("moe_layer_replays_bit_exact_in_deterministic_mode",)
 
 
-def run_case_file(path: str, nproc: int, timeout: float, excepted: tuple[str, ...] = ()) -> tuple[int, int]:
+def run_case_file(path: str, nproc: int, timeout: float, options: tuple[str, ...] = ()) -> tuple[int, int]:
     """Runs a case file under ``torchrun`` on ``nproc`` GPUs and asserts no case failed.
 
     Args:
         path: The case file, relative to the repository root.
         nproc: Ranks (one per GPU).
         timeout: Seconds the job may run (waiting for the GPU-job lock not counted).
-        excepted: Cases left out.
+        options: The case runner's options (``--except=NAME``, ``--shard=I/N``).
 
     Returns:
         ``(passed, skipped)`` case counts.
     """
-    done = run_gpu_job(torchrun_command(path, *(f"--except={name}" for name in excepted), nproc=nproc),
-                       timeout=timeout)
+    done = run_gpu_job(torchrun_command(path, *options, nproc=nproc), timeout=timeout, gpus=nproc)
     print(done.stdout[-6000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = re.search(r"cases at world \d+: (\d+) passed, (\d+) skipped, (\d+) failed of (\d+)", done.stdout)
@@ -55,15 +54,23 @@ def run_case_file(path: str, nproc: int, timeout: float, excepted: tuple[str, ..
     return passed, skipped
 
 
-def _run_cases(nproc: int, timeout: float) -> None:
-    run_case_file("tests/functional/deepep_cases.py", nproc, timeout, OWN_JOB_CASES if nproc <= 2 else ())
+#: The one-GPU cases run in this many jobs, which share the GPU (tests/gpu_jobs.py): most of a case's first seconds are
+#: DeepEP's JIT compilation on the host, which then overlaps.
+ONE_GPU_SHARDS = 4
+
+
+def _run_cases(nproc: int, timeout: float, shard: str | None = None) -> None:
+    options = (*(f"--except={name}" for name in (OWN_JOB_CASES if nproc <= 2 else ())),
+               *((f"--shard={shard}",) if shard else ()))
+    run_case_file("tests/functional/deepep_cases.py", nproc, timeout, options)
 
 
 @pytest.mark.skipif(skip_reason(1) is not None, reason=str(skip_reason(1)))
 @pytest.mark.timeout(900)
-def test_deepep_cases_on_one_gpu() -> None:
-    """Every case at EP=1 (a 1-rank group): only the ones that need two ranks skip, each saying why."""
-    _run_cases(1, timeout=880)
+@pytest.mark.parametrize("shard", range(ONE_GPU_SHARDS))
+def test_deepep_cases_on_one_gpu(shard: int) -> None:
+    """Every case at EP=1 (a 1-rank group), a shard each: only the ones that need two ranks skip, each saying why."""
+    _run_cases(1, timeout=880, shard=f"{shard}/{ONE_GPU_SHARDS}")
 
 
 @pytest.mark.skipif(skip_reason(2) is not None, reason=str(skip_reason(2)))

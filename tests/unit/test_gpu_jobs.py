@@ -1,5 +1,5 @@
-"""The GPU wrappers' job plumbing on CPU: command lines, environment, one job at a time, and waits for the GPU-job
-lock that do not count against a test's timeout."""
+"""The GPU wrappers' job plumbing on CPU: command lines, environment, which jobs share the GPU and which run alone,
+and waits for the GPU-job lock that do not count against a test's timeout."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.gpu_jobs import ROOT, exclusive_gpus, gpu_job_env, torchrun_command
+from tests.gpu_jobs import (DEFAULT_JOB_SLOTS, ROOT, SLOTS_VARIABLE, gpu_job_env, gpu_job_lock, job_slots,
+                            torchrun_command)
 
 
 def test_torchrun_command_uses_a_free_port_and_the_repository_script() -> None:
@@ -37,36 +39,79 @@ def test_gpu_job_environment_drops_the_cpu_test_validation(monkeypatch) -> None:
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
 
 
-def test_gpu_jobs_run_one_at_a_time(tmp_path) -> None:
-    spans: list[tuple[float, float]] = []
+def _overlaps(jobs: list[dict], lock: Path, hold: float = 0.3) -> tuple[list[tuple[float, float, str]], int]:
+    """Runs ``jobs`` (``gpu_job_lock`` keyword arguments) in threads, each holding ``lock`` for ``hold`` seconds.
 
-    def job() -> None:
-        with exclusive_gpus(tmp_path / "gpu.lock"):  # not the machine's lock: real GPU jobs may hold it for minutes
+    Returns:
+        Each job's (start, end, name) while it held the lock, by start; and the most jobs that held it at once.
+    """
+    spans: list[tuple[float, float, str]] = []
+
+    def job(name: str, arguments: dict) -> None:
+        with gpu_job_lock(lock_path=lock, **arguments):
             start = time.monotonic()
-            time.sleep(0.3)
-            spans.append((start, time.monotonic()))
+            time.sleep(hold)
+            spans.append((start, time.monotonic(), name))
 
-    threads = [threading.Thread(target=job) for _ in range(3)]
+    threads = [threading.Thread(target=job, args=(f"job{i}", arguments)) for i, arguments in enumerate(jobs)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     spans.sort()
-    assert len(spans) == 3
-    assert all(earlier[1] <= later[0] for earlier, later in zip(spans, spans[1:])), spans
+    events = sorted([(start, 1) for start, _, _ in spans] + [(end, -1) for _, end, _ in spans])
+    running = [sum(step for _, step in events[:i + 1]) for i in range(len(events))]
+    return spans, max(running)
+
+
+def test_jobs_of_several_gpus_run_one_at_a_time(tmp_path) -> None:
+    # Not the machine's lock: real GPU jobs may hold it for minutes.
+    spans, most = _overlaps([{"gpus": 2, "slots": 4}] * 3, tmp_path / "gpu.lock")
+    assert len(spans) == 3 and most == 1, spans
     # Each job's line beside the lock: its own time (about 0.3 s) apart from its wait (up to two other jobs).
     lines = (tmp_path / "gpu.log").read_text().splitlines()
     times = [tuple(float(part.split()[1]) for part in line.split(": ")[-1].split(", ")) for line in lines]
-    assert len(lines) == 3 and all("test_gpu_jobs_run_one_at_a_time" in line for line in lines), lines
+    assert len(lines) == 3 and all("test_jobs_of_several_gpus_run_one_at_a_time" in line and "[2 GPUs, alone]" in line
+                                   for line in lines), lines
     assert all(0.25 < held < 0.6 for _, held in times) and max(waited for waited, _ in times) > 0.25, lines
 
 
-def test_a_wait_past_max_wait_fails_naming_the_holder(tmp_path) -> None:
+def test_one_gpu_jobs_share_the_gpu_up_to_the_slots(tmp_path) -> None:
+    spans, most = _overlaps([{"gpus": 1, "slots": 2}] * 4, tmp_path / "gpu.lock")
+    assert len(spans) == 4 and most == 2, spans  # two at a time, never three
+    assert "[1 GPU, shared]" in (tmp_path / "gpu.log").read_text()
+    _, most = _overlaps([{"gpus": 1, "slots": 1}] * 3, tmp_path / "one.lock")
+    assert most == 1  # one slot: every job alone
+
+
+def test_a_job_alone_or_of_several_gpus_shares_with_no_one_gpu_job(tmp_path) -> None:
+    one = {"gpus": 1, "slots": 4}
+    for lonely in ({"gpus": 2, "slots": 4}, {"gpus": 1, "alone": True, "slots": 4}):
+        spans, _ = _overlaps([one, one, lonely, one, one], tmp_path / "gpu.lock", hold=0.4)
+        (start, end, _), = [span for span in spans if span[2] == "job2"]
+        others = [span for span in spans if span[2] != "job2"]
+        assert len(others) == 4 and all(e <= start or s >= end for s, e, _ in others), (lonely, spans)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_bad_slot_count_names_the_variable(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(SLOTS_VARIABLE, value)
+    with pytest.raises(ValueError, match=rf"MEGATRON_DEEPEPV2_GPU_JOB_SLOTS={re.escape(repr(value))}: expected a "
+                                         "positive integer"):
+        job_slots()
+    monkeypatch.setenv(SLOTS_VARIABLE, "3")
+    assert job_slots() == 3
+    monkeypatch.delenv(SLOTS_VARIABLE)
+    assert job_slots() == DEFAULT_JOB_SLOTS
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_wait_past_max_wait_fails_naming_the_holder(tmp_path, gpus: int) -> None:
     lock = tmp_path / "gpu.lock"
-    with exclusive_gpus(lock):  # a second open file of the same lock waits like another process would
+    with gpu_job_lock(gpus, lock_path=lock, slots=1 if gpus == 2 else 2):  # a second open file waits like a process
         with pytest.raises(TimeoutError, match=rf"waited 0.3 s for the GPU-job lock .* held by pid {os.getpid()} "
                                                r"\(tests/unit/test_gpu_jobs.py::test_a_wait_past_max_wait"):
-            with exclusive_gpus(lock, max_wait=0.3):
+            with gpu_job_lock(2, lock_path=lock, max_wait=0.3):
                 pass
 
 
@@ -77,7 +122,7 @@ import subprocess, sys, time
 
 import pytest
 
-from tests.gpu_jobs import exclusive_gpus
+from tests.gpu_jobs import gpu_job_lock
 
 LOCK, TIMEOUT, HOLD = {lock!r}, 1.0, 1.5
 HOLDER = ("import fcntl, sys, time; lock = open(sys.argv[1], 'a'); fcntl.flock(lock, fcntl.LOCK_EX); "
@@ -93,7 +138,7 @@ def _taken_by_another_process():
 def test_waits_longer_than_its_timeout():
     _taken_by_another_process()
     start = time.monotonic()
-    with exclusive_gpus(LOCK):
+    with gpu_job_lock(1, lock_path=LOCK):
         assert time.monotonic() - start > TIMEOUT
         time.sleep(0.2 * TIMEOUT)
 
@@ -101,7 +146,7 @@ def test_waits_longer_than_its_timeout():
 @pytest.mark.timeout(TIMEOUT)
 def test_runs_its_job_past_its_timeout():
     _taken_by_another_process()
-    with exclusive_gpus(LOCK):
+    with gpu_job_lock(1, lock_path=LOCK):
         time.sleep(10 * TIMEOUT)
 
 
@@ -109,7 +154,7 @@ def test_runs_its_job_past_its_timeout():
 def test_works_before_and_after_the_wait_past_its_timeout():
     time.sleep(0.6 * TIMEOUT)
     _taken_by_another_process()
-    with exclusive_gpus(LOCK):
+    with gpu_job_lock(1, lock_path=LOCK):
         time.sleep(0.6 * TIMEOUT)
 """
 

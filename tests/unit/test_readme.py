@@ -135,13 +135,15 @@ def test_make_targets_run_as_written() -> None:
     venv = Path(_make_variable("VENV", ".venv"))
     if not (venv if venv.is_absolute() else ROOT / venv).joinpath(".installed").exists():
         pytest.skip(f"make's environment {venv} is not installed here: run through `make test`, which creates it")
-    from tests.gpu_jobs import exclusive_gpus, gpu_job_env
+    import torch
+
+    from tests.gpu_jobs import gpu_job_env, gpu_job_lock
 
     for block in _of_kind("make"):
         for command in block.commands:
             assert command.startswith("make "), command
-            # On a GPU machine the demo takes the GPUs: one job at a time, with the GPU jobs' environment.
-            with exclusive_gpus():
+            # On a GPU machine the demo takes every GPU (a rank each): a GPU job, with the GPU jobs' environment.
+            with gpu_job_lock(gpus=torch.cuda.device_count() or 1):
                 done = _run(command, timeout=900, env=gpu_job_env())
             assert done.returncode == 0, f"{command}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
             output = done.stdout + done.stderr
@@ -174,7 +176,7 @@ def test_gpu_blocks_run_on_a_gpu_machine() -> None:
         pytest.skip(reason)
     import torch
 
-    from tests.gpu_jobs import exclusive_gpus, gpu_job_env
+    from tests.gpu_jobs import gpu_job_env, gpu_job_lock
 
     gpus = torch.cuda.device_count()
     trees, megatron_lm = os.environ.get("MEGATRON_DEEPEPV2_README_TREES"), os.environ.get("MEGATRON_LM")
@@ -183,11 +185,11 @@ def test_gpu_blocks_run_on_a_gpu_machine() -> None:
         for command in block.commands:
             env = {**gpu_job_env(), "NUM_GPUS": str(gpus), "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=gpus, batch=2 * gpus)}
             if "install_deepep" in command and trees:
-                with exclusive_gpus():
+                with gpu_job_lock(gpus=1, alone=True):  # installs into the environment the other GPU jobs import from
                     done = _run(command, timeout=1200, env=env, cwd=Path(trees))
             elif "pretrain_gpt.py" in command and megatron_lm:
                 env["PYTHONPATH"] = f"{megatron_lm}{os.pathsep}{env.get('PYTHONPATH', '')}"
-                with exclusive_gpus():
+                with gpu_job_lock(gpus=gpus):
                     done = _run(command, timeout=1200, env=env, cwd=Path(megatron_lm))
                 output = done.stdout + done.stderr
                 # Ten steps on ElasticBuffer: the deepepv2 layers took the DeepEP backend and training finished.
