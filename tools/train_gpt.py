@@ -63,7 +63,7 @@ logger = logging.getLogger("train_gpt")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt_moe_deepepv2.sh")
-SEQUENTIAL, SYNC_FREE = "SequentialMLP", "SyncFreeSequentialMLP"
+SEQUENTIAL, SYNC_FREE, TE_GROUPED = "SequentialMLP", "SyncFreeSequentialMLP", "TEGroupedMLP"
 #: Megatron's alltoall dispatcher, selected over the example's flex + deepepv2.
 ALLTOALL_ARGS = ("--moe-token-dispatcher-type", "alltoall", "--moe-flex-dispatcher-backend", "deepep")
 #: The widest ``--cuda-graph-modules`` scope megatron-core 0.19 accepts for a dropless alltoall MoE layer of a GPT model
@@ -74,6 +74,13 @@ ALLTOALL_ARGS = ("--moe-token-dispatcher-type", "alltoall", "--moe-flex-dispatch
 #: ``moe_preprocess``) passes, but only ``MoETransformerLayer`` (hybrid models) builds graphs for it: a GPT layer
 #: builds none, so this variant runs eagerly, like ``alltoall-syncfree``. docs/training.md has the runs.
 ALLTOALL_GRAPH_MODULES = ("moe_router", "moe_preprocess")
+#: Transformer Engine layers (Megatron's default ``--transformer-impl``) with fused permute, over the example's local
+#: spec; with ``--moe-grouped-gemm`` the experts are ``TEGroupedMLP``.
+TE_LAYER_ARGS = ("--transformer-impl", "transformer_engine", "--moe-permute-fusion")
+TE_GROUPED_ARGS = (*TE_LAYER_ARGS, "--moe-grouped-gemm")
+#: Transformer Engine's partial CUDA graphs over the scope Megatron documents for a dropless MoE layer.
+TE_GRAPH_ARGS = ("--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
+                 "moe_preprocess")
 
 
 @dataclass(frozen=True)
@@ -125,12 +132,41 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("deepepv2-nohostsync-graphs", SYNC_FREE,
             "deepepv2 without host sync, each layer captured whole in Megatron's per-layer CUDA graphs",
             _NO_HOST_SYNC_ENV, ("--cuda-graph-impl", "local")),
+    Variant("alltoall-te", TE_GROUPED, "alltoall with TE layers, TEGroupedMLP and fused permute",
+            args=ALLTOALL_ARGS + TE_GROUPED_ARGS),
+    Variant("alltoall-te-graphs", TE_GROUPED, "alltoall-te with TE's partial CUDA graphs (attn, router, preprocess)",
+            args=ALLTOALL_ARGS + TE_GROUPED_ARGS + TE_GRAPH_ARGS),
+    Variant("alltoall-syncfree-te-graphs", SYNC_FREE,
+            "alltoall with TE layers, fused permute, SyncFreeSequentialMLP and TE's partial CUDA graphs",
+            _SYNC_FREE_ENV, ALLTOALL_ARGS + TE_LAYER_ARGS + TE_GRAPH_ARGS),
+    Variant("deepepv2-te", TE_GROUPED, "deepepv2 with host sync, TE layers, TEGroupedMLP and fused permute",
+            args=TE_GROUPED_ARGS),
+    Variant("deepepv2-te-graphs", TE_GROUPED, "deepepv2-te with TE's partial CUDA graphs (attn, router, preprocess)",
+            args=TE_GROUPED_ARGS + TE_GRAPH_ARGS),
+    Variant("deepepv2-nohostsync-te-graphs", SYNC_FREE,
+            "deepepv2 without host sync, TE layers, SyncFreeSequentialMLP and TE's partial CUDA graphs",
+            _NO_HOST_SYNC_ENV, TE_LAYER_ARGS + TE_GRAPH_ARGS),
+    Variant("deepepv2-nohostsync-te-layer-graphs", SYNC_FREE,
+            "deepepv2 without host sync, TE layers and SyncFreeSequentialMLP, each layer captured whole (local graphs)",
+            _NO_HOST_SYNC_ENV, TE_LAYER_ARGS + ("--cuda-graph-impl", "local")),
 )}
 
 
-def expert_module(environment: Mapping[str, str]) -> str:
-    """The expert module of a run launched with ``environment`` (the example's MoE layers)."""
-    return SYNC_FREE if environment.get("MEGATRON_DEEPEPV2_EXPERTS") == "sync_free" else SEQUENTIAL
+def built_expert_modules(model: Any) -> list[str]:
+    """The class names of the expert modules of ``model``'s MoE layers (a module or a list of model chunks), sorted."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: PLC0415
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return sorted({type(module.experts).__name__ for chunk in chunks for module in chunk.modules()
+                   if isinstance(module, MoELayer)})
+
+
+def expert_module(environment: Mapping[str, str], arguments: Sequence[str] = ()) -> str:
+    """The expert module of a run launched with ``environment`` and ``pretrain_gpt.py`` ``arguments`` (the example's
+    MoE layers), as the launch asks for it; a run's record names what the built model has."""
+    if environment.get("MEGATRON_DEEPEPV2_EXPERTS") == "sync_free":
+        return SYNC_FREE
+    return TE_GROUPED if "--moe-grouped-gemm" in arguments else SEQUENTIAL
 
 
 # --------------------------------------------------------------------------------------------------- record
@@ -176,6 +212,19 @@ class StepRecorder:
         self._profile, self._profile_out = profile, profile_out
         self._profiler: Any = None
         self._step_range: Any = None
+        #: The expert modules of the built model's MoE layers, once :meth:`wrap_setup` saw it built.
+        self.built_experts: Optional[list[str]] = None
+
+    def wrap_setup(self, setup_model_and_optimizer: Any) -> Any:
+        """Returns Megatron's ``setup_model_and_optimizer`` noting the built model's expert modules."""
+
+        @functools.wraps(setup_model_and_optimizer)
+        def noted(*args, **kwargs):
+            result = setup_model_and_optimizer(*args, **kwargs)
+            self.built_experts = built_expert_modules(result[0])
+            return result
+
+        return noted
 
     def _header(self) -> dict:
         from megatron.training import get_args  # noqa: PLC0415
@@ -185,7 +234,11 @@ class StepRecorder:
                        if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO")) or k == "MODEL"}
         return {"label": self.label, "round": self.round_number, "global_batch_size": args.global_batch_size,
                 "seq_length": args.seq_length, "tokens_per_step": args.global_batch_size * args.seq_length,
-                "world_size": args.world_size, "experts": expert_module(environment), "profile": self._profile_window,
+                "world_size": args.world_size,
+                "experts": ("+".join(self.built_experts) if self.built_experts
+                            else expert_module(environment, sys.argv[1:])),
+                "experts_from": "built model" if self.built_experts else "environment",
+                "profile": self._profile_window,
                 "argv": sys.argv[1:], "environment": environment, "provenance": provenance()}
 
     def wrap(self, training_log: Any) -> Any:
@@ -311,6 +364,7 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
 
     recorder = StepRecorder(out, label, profile, profile_out, round_number, exit_after_last_step)
     training.training_log = recorder.wrap(training.training_log)
+    training.setup_model_and_optimizer = recorder.wrap_setup(training.setup_model_and_optimizer)
     return run.main(list(target))
 
 

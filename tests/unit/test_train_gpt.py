@@ -222,10 +222,12 @@ def test_every_variant_names_its_experts_and_pairs_hold_them_equal() -> None:
     variants = train_gpt.VARIANTS
     for run, baseline in (("deepepv2", "alltoall"), ("deepepv2-syncfree", "alltoall-syncfree"),
                           ("deepepv2-nohostsync-graphs", "alltoall-syncfree-graphs"),
-                          ("deepepv2-syncfree-compiled-preprocess", "deepepv2-syncfree")):
+                          ("deepepv2-syncfree-compiled-preprocess", "deepepv2-syncfree"),
+                          ("deepepv2-te", "alltoall-te"), ("deepepv2-te-graphs", "alltoall-te-graphs"),
+                          ("deepepv2-nohostsync-te-graphs", "alltoall-syncfree-te-graphs")):
         assert variants[run].experts == variants[baseline].experts
     for variant in variants.values():
-        assert train_gpt.expert_module(variant.env) == variant.experts
+        assert train_gpt.expert_module(variant.env, variant.args) == variant.experts
     graphs = variants["alltoall-syncfree-graphs"].args
     assert graphs[graphs.index("--cuda-graph-modules") + 1:] == train_gpt.ALLTOALL_GRAPH_MODULES
     labels = train_gpt.bar_labels([("deepepv2", {"experts": "SequentialMLP", "runs": ["a", "b", "c"]})])
@@ -317,3 +319,32 @@ def test_older_reports_get_their_bars_and_expert_modules_from_their_runs() -> No
     assert groups["deepepv2"]["tokens_per_s"] == pytest.approx(4096 / 0.7)
     pooled = {"runs": runs, "configurations": {"deepepv2-syncfree": {"runs": ["x"], "tokens_per_s": 1.0}}}
     assert train_gpt.plotted_configurations(pooled)["deepepv2-syncfree"]["experts"] == "SyncFreeSequentialMLP"
+
+
+def test_the_record_names_the_experts_the_built_model_has(tmp_path: Path, monkeypatch) -> None:
+    """The header's experts come from the MoE layers Megatron built (seen through ``setup_model_and_optimizer``), not
+    from the environment, which says nothing of ``--moe-grouped-gemm``."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.training import global_vars
+
+    class TEGroupedMLP(torch.nn.Module):
+        """Stands in for Transformer Engine's grouped experts: only the class name is read."""
+
+    class BuiltMoELayer(MoELayer):
+        """A MoE layer as built, without Megatron's construction (which needs the parallel state)."""
+
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            self.experts = TEGroupedMLP()
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
+                        argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1), raising=False)
+    monkeypatch.setenv("MEGATRON_DEEPEPV2_EXPERTS", "sync_free")  # what the environment alone would claim
+    chunks = [torch.nn.Sequential(torch.nn.Linear(2, 2), BuiltMoELayer()), torch.nn.Sequential(BuiltMoELayer())]
+    recorder = train_gpt.StepRecorder(str(tmp_path / "run.jsonl"), "te")
+    setup = recorder.wrap_setup(lambda *args, **kwargs: (chunks, "optimizer", "scheduler"))
+    assert setup("provider", kind="gpt") == (chunks, "optimizer", "scheduler")
+    header = recorder._header()
+    assert header["experts"] == "TEGroupedMLP" and header["experts_from"] == "built model", header
+    assert train_gpt.built_expert_modules(chunks[1]) == ["TEGroupedMLP"]  # one model chunk as a module
+    assert train_gpt.StepRecorder(str(tmp_path / "b.jsonl"), "b")._header()["experts"] == train_gpt.SYNC_FREE
