@@ -7,19 +7,25 @@ also an environment variable, ``MEGATRON_DEEPEPV2_`` and its name in capitals (`
 variable that no setting reads gets one WARNING naming the closest setting's variable (or, for a removed setting, what
 to do instead); :data:`OTHER_VARIABLES` lists the ones read elsewhere. Code and tests change settings with
 :func:`configure` or, for a block, :func:`settings_override`. Settings check their values when they are built
-(:meth:`DeepepV2Settings.check`), so a bad value raises where it is given. A layer's dispatch configuration
-(:class:`~megatron_deepepv2.backends.base.DispatchConfig`) carries the settings it was resolved with.
+(:meth:`DeepepV2Settings.check`), so a bad value raises where it is given: each field by its annotation and metadata
+(:func:`check_fields`), with one helper per kind of value (:func:`checked_bool`, :func:`checked_int`,
+:func:`checked_positive_number`, :func:`checked_choice`, :func:`checked_name`, :func:`checked_instance`), which
+:class:`~megatron_deepepv2.backends.base.DispatchConfig` uses too. A layer's dispatch configuration carries the
+settings it was resolved with.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import difflib
+import enum
+import functools
 import logging
+import operator
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 #: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
@@ -71,52 +77,41 @@ class DeepepV2Settings:
         experts: The experts of every MoE layer: ``spec`` (the layer spec's) or ``sync_free`` (Megatron's
             ``SequentialMLP`` becomes :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters
             and checkpoints, grouped GEMMs, device-side counts).
+
+    Raises:
+        ValueError: At construction, as :meth:`check`.
     """
 
     backend: str = "auto"
-    num_max_tokens_per_rank: Optional[int] = None
+    num_max_tokens_per_rank: Optional[int] = field(
+        default=None, metadata={"minimum": 1, "note": "None for the largest first batch over the ranks"})
     validate: bool = False
     check_ids: bool = True
-    growth_timeout_s: float = 120.0
+    growth_timeout_s: float = field(default=120.0, metadata={"note": "seconds a rank waits at a buffer build"})
     deterministic: bool = False
-    num_sms: int = 64
-    allow_hybrid_mode: Optional[bool] = None
+    num_sms: int = field(default=64, metadata={"minimum": 0, "note": "0 for the backend's choice"})
+    allow_hybrid_mode: Optional[bool] = field(default=None,
+                                              metadata={"note": "None for hybrid only when the group spans nodes"})
     host_sync: bool = field(default=True, metadata={"variable": "NO_HOST_SYNC", "inverted": True})
     fp8_dispatch: bool = False
-    manager: str = "plugin"
-    experts: str = "spec"
+    manager: str = field(default="plugin", metadata={
+        "choices": MANAGERS, "note": "'plugin' for this package's deepepv2, 'native' for megatron-core's own"})
+    experts: str = field(default="spec", metadata={
+        "choices": EXPERTS,
+        "note": "'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of SequentialMLP"})
 
     def __post_init__(self) -> None:
-        # Names are compared in one spelling.
-        object.__setattr__(self, "backend", str(self.backend).lower())
-        object.__setattr__(self, "manager", str(self.manager).lower())
-        object.__setattr__(self, "experts", str(self.experts).lower().replace("-", "_"))
         self.check()
 
     def check(self) -> None:
-        """Checks the values (run when the settings are built).
+        """Checks every field by its annotation and metadata, converting names to their one spelling (run when the
+        settings are built, so a bad value raises where it is given).
 
         Raises:
-            ValueError: For a value its setting cannot take, naming the setting's environment variable.
+            ValueError: For a value of the wrong type or out of range, naming the setting, the value, what it
+                accepts and the setting's environment variable.
         """
-        if self.manager not in MANAGERS:
-            raise ValueError(f"manager={self.manager!r} is not one of {', '.join(MANAGERS)} "
-                             "(MEGATRON_DEEPEPV2_MANAGER: 'plugin' for this package's deepepv2, 'native' for "
-                             "megatron-core's own).")
-        if self.experts not in EXPERTS:
-            raise ValueError(f"experts={self.experts!r} is not one of {', '.join(EXPERTS)} (MEGATRON_DEEPEPV2_EXPERTS:"
-                             " 'spec' for the layer spec's experts, 'sync_free' for SyncFreeSequentialMLP in place of "
-                             "SequentialMLP).")
-        if self.num_max_tokens_per_rank is not None and int(self.num_max_tokens_per_rank) <= 0:
-            raise ValueError(f"num_max_tokens_per_rank={self.num_max_tokens_per_rank} must be a positive token "
-                             "count, or unset to take the largest first batch over the ranks "
-                             "(MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK).")
-        if float(self.growth_timeout_s) <= 0:
-            raise ValueError(f"growth_timeout_s={self.growth_timeout_s} must be a positive number of seconds "
-                             "(MEGATRON_DEEPEPV2_GROWTH_TIMEOUT_S).")
-        if int(self.num_sms) < 0:
-            raise ValueError(f"num_sms={self.num_sms} must be >= 0, 0 letting the backend choose "
-                             "(MEGATRON_DEEPEPV2_NUM_SMS).")
+        check_fields(self, _how_to_set_setting)
 
     @classmethod
     def from_env(cls, environ: Optional[typing.Mapping[str, str]] = None) -> "DeepepV2Settings":
@@ -143,6 +138,213 @@ class DeepepV2Settings:
                     break
         _warn_unread_variables(environ)
         return cls(**values)
+
+
+def _rejected(label: str, value: Any, accepted: str, how: str) -> ValueError:
+    """The error for ``value`` of the field ``label``: the value, its type, what the field accepts and how to set it."""
+    return ValueError(f"{label}={value!r} {accepted}; got {type(value).__name__}.{' ' + how if how else ''}")
+
+
+def checked_bool(label: str, value: Any, *, optional: bool = False, how: str = "") -> Optional[bool]:
+    """Returns ``value`` if it is a real bool (or None for an ``optional`` field).
+
+    Args:
+        label: The field, as ``Owner.field``, for the error.
+        value: The value given.
+        optional: Whether None is accepted.
+        how: How to set the field (and what its values mean), for the error.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: For anything else, strings and the ints 0 and 1 included.
+    """
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    raise _rejected(label, value, "must be True, False or None" if optional else "must be True or False", how)
+
+
+def checked_int(label: str, value: Any, *, minimum: int, optional: bool = False, how: str = "") -> Optional[int]:
+    """Returns ``value`` as an int if it is an integer (an int or what ``operator.index`` takes, not a bool) of at
+    least ``minimum`` (or None for an ``optional`` field).
+
+    Args:
+        label, optional, how: As :func:`checked_bool`.
+        value: The value given.
+        minimum: The smallest value accepted.
+
+    Returns:
+        ``value`` as an int, or None.
+
+    Raises:
+        ValueError: For a bool, a float, a string or another non-integer, or an integer below ``minimum``.
+    """
+    if optional and value is None:
+        return None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is not None and number >= minimum:
+            return number
+    raise _rejected(label, value, f"must be an integer >= {minimum}{' or None' if optional else ''}", how)
+
+
+def checked_positive_number(label: str, value: Any, *, how: str = "") -> float:
+    """Returns ``value`` as a float if it is a real number (an int or a float, not a bool) greater than 0.
+
+    Args:
+        label, how: As :func:`checked_bool`.
+        value: The value given.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        ValueError: For a bool, a string or another non-number, or a number that is not > 0 (NaN included).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise _rejected(label, value, "must be a number > 0", how)
+
+
+def checked_choice(label: str, value: Any, choices: Iterable[Any], *, how: str = "") -> Any:
+    """Returns the member of ``choices`` that ``value`` names: the member itself, or its string value in any case
+    (``-`` read as ``_``).
+
+    Args:
+        label, how: As :func:`checked_bool`.
+        value: The value given.
+        choices: The accepted values: an :class:`enum.Enum` class or strings.
+
+    Returns:
+        The member of ``choices`` (an enum member for an enum, the string for strings).
+
+    Raises:
+        ValueError: For a string that names no member, or a value that is neither a member nor a string.
+    """
+    options = list(choices)
+    if isinstance(value, str):
+        key = value.strip().lower().replace("-", "_")
+        for option in options:
+            if option is value or getattr(option, "value", option) == key:
+                return option
+    names = ", ".join(str(getattr(option, "value", option)) for option in options)
+    raise _rejected(label, value, f"is not one of {names}", how)
+
+
+def checked_name(label: str, value: Any, *, how: str = "") -> str:
+    """Returns ``value`` in lower case if it is a non-empty string (a name looked up later, like a backend's).
+
+    Args:
+        label, how: As :func:`checked_bool`.
+        value: The value given.
+
+    Returns:
+        ``value`` stripped and in lower case.
+
+    Raises:
+        ValueError: For anything but a non-empty string.
+    """
+    if isinstance(value, str) and value.strip():
+        return value.strip().lower()
+    raise _rejected(label, value, "must be a non-empty name (a str)", how)
+
+
+def checked_instance(label: str, value: Any, kind: Any, *, how: str = "") -> Any:
+    """Returns ``value`` if it is an instance of the class ``kind``, or for ``kind`` ``type[X]`` a subclass of ``X``.
+
+    Args:
+        label, how: As :func:`checked_bool`.
+        value: The value given.
+        kind: A class, or ``type[X]``.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: For anything else.
+    """
+    if typing.get_origin(kind) is type:
+        base = typing.get_args(kind)[0]
+        if isinstance(value, type) and issubclass(value, base):
+            return value
+        raise _rejected(label, value, f"must be a subclass of {base.__name__}", how)
+    if isinstance(value, kind):
+        return value
+    raise _rejected(label, value, f"must be a {kind.__name__}", how)
+
+
+def checked_value(label: str, value: Any, kind: Any, metadata: typing.Mapping[str, Any], how: str = "") -> Any:
+    """Checks ``value`` against a field's annotation ``kind`` and ``metadata`` (``choices``, ``minimum``, ``note``)
+    with the helper of its kind of value: bool, integer, positive number, choice (an enum, or ``choices``), name
+    (``str``), or class.
+
+    Args:
+        label: The field, as ``Owner.field``.
+        value: The value given.
+        kind: The field's resolved annotation (``Optional[X]`` also takes None).
+        metadata: The field's metadata; its ``note`` (what the values mean) follows ``how`` in the error.
+        how: How to set the field, for the error.
+
+    Returns:
+        The value converted to the field's one spelling (an enum member, a lower-case name, an int, a float).
+
+    Raises:
+        ValueError: For a value the field does not accept.
+    """
+    optional = type(None) in typing.get_args(kind)
+    if optional:
+        if value is None:
+            return None
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    hint = ": ".join(part for part in (how, metadata.get("note", "")) if part)
+    how = hint + "." if hint else ""
+    if "choices" in metadata or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
+        return checked_choice(label, value, metadata.get("choices", kind), how=how)
+    if kind is bool:
+        return checked_bool(label, value, optional=optional, how=how)
+    if kind is int:
+        return checked_int(label, value, minimum=metadata.get("minimum", 0), optional=optional, how=how)
+    if kind is float:
+        return checked_positive_number(label, value, how=how)
+    if kind is str:
+        return checked_name(label, value, how=how)
+    return checked_instance(label, value, kind, how=how)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_kinds(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
+    """Each field of the dataclass ``cls`` with its resolved annotation, the one source of its type."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def check_fields(instance: Any, how: Callable[[dataclasses.Field], str]) -> None:
+    """Checks every field of the frozen dataclass ``instance`` (:func:`checked_value`), storing converted values.
+
+    Args:
+        instance: A frozen dataclass being built (called from its ``__post_init__``).
+        how: Says how to set a field, for the errors.
+
+    Raises:
+        ValueError: For the first field whose value it does not accept, naming it as ``Class.field``.
+    """
+    owner = type(instance).__name__
+    for f, kind in _field_kinds(type(instance)):
+        value = getattr(instance, f.name)
+        converted = checked_value(f"{owner}.{f.name}", value, kind, f.metadata, how(f))
+        if converted is not value:
+            object.__setattr__(instance, f.name, converted)
+
+
+def _how_to_set_setting(f: dataclasses.Field) -> str:
+    """How a setting is given, for its errors: in code and through its environment variable."""
+    variables = " or ".join(_variables(f))
+    inverted = " (its inverse)" if f.metadata.get("inverted") else ""
+    return f"Give it as configure({f.name}=...), or set {variables}{inverted}"
 
 
 def _variables(f: dataclasses.Field) -> list[str]:

@@ -54,15 +54,17 @@ class ExpertLayout(str, enum.Enum):
             The matching layout.
 
         Raises:
-            ValueError: If ``value`` names no layout.
+            ValueError: If ``value`` is not a layout or a string naming one.
         """
         if isinstance(value, ExpertLayout):
             return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"layout={value!r} is not a known expert layout; use one of {names}.") from None
+        if isinstance(value, str):
+            for layout in cls:
+                if layout.value == value.strip().lower():
+                    return layout
+        names = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"layout={value!r} is not a known expert layout; use one of {names} "
+                         f"(an ExpertLayout or its name; got {type(value).__name__}).")
 
 
 _Count = TypeVar("_Count", int, torch.Tensor)
@@ -80,7 +82,7 @@ def rows_past_valid(num_rows: int, num_valid_rows: torch.Tensor) -> torch.Tensor
 
 
 def worst_case_recv_rows(
-    layout: ExpertLayout,
+    layout: Union[ExpertLayout, str],
     *,
     group_size: int,
     num_max_tokens_per_rank: int,
@@ -91,7 +93,7 @@ def worst_case_recv_rows(
     """Rows a dispatch without host sync allocates (DeepEP 2.1.0's worst case, which every backend uses).
 
     Args:
-        layout: Receive layout.
+        layout: Receive layout, or its name (see :meth:`ExpertLayout.parse`).
         group_size: Ranks in the group (``G``).
         num_max_tokens_per_rank: The buffer's token limit (``T_max``).
         num_topk: Top-k of the routing (``K``).
@@ -101,8 +103,11 @@ def worst_case_recv_rows(
     Returns:
         ``G * T_max`` for compact; ``align(G * T_max * min(K, E_local) + (alignment - 1) * E_local,
         alignment)`` for expand.
+
+    Raises:
+        ValueError: If ``layout`` names no layout.
     """
-    if layout is ExpertLayout.COMPACT:
+    if ExpertLayout.parse(layout) is ExpertLayout.COMPACT:
         return group_size * num_max_tokens_per_rank
     rows = group_size * num_max_tokens_per_rank * min(num_topk, num_local_experts)
     rows += (expert_alignment - 1) * num_local_experts

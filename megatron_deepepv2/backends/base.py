@@ -14,26 +14,27 @@ device, the rest unspecified. Every call returns with the current stream ordered
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.config import DeepepV2Settings
+from megatron_deepepv2.config import DeepepV2Settings, check_fields
 from megatron_deepepv2.groups import AgreedField, yes_no
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """What a layer's dispatches do, checked when it is built (:meth:`check`; resolved from the settings by
+    """What a layer's dispatches do, checked when it is built (resolved from the settings by
     :func:`megatron_deepepv2.ops.resolve_config`).
 
     Attributes:
         backend: The backend class.
         settings: The switches it was resolved with (:class:`~megatron_deepepv2.config.DeepepV2Settings`).
-        layout: Receive layout.
+        layout: Receive layout: an :class:`~megatron_deepepv2.layout.ExpertLayout`, or its name (``"compact"`` /
+            ``"expand"``, any case), which construction converts to the enum member.
         expert_alignment: Expand layout: each expert block is padded to a multiple of this (1 = none); the padding rows
             and their weights are zero (:attr:`padded`).
         mask_foreign_weights: Compact layout: zero the received weights of other ranks' experts.
@@ -41,32 +42,34 @@ class DispatchConfig:
             combine's input gradient, for a consumer that reads every row.
 
     Raises:
-        ValueError: At construction, as :meth:`check`.
+        ValueError: At construction, for a field of the wrong type or out of range (a layout that names no
+            :class:`~megatron_deepepv2.layout.ExpertLayout`, an alignment that is not an integer >= 1, a flag that is
+            not a bool), and as :meth:`check`.
     """
 
     backend: type["DispatchBackend"]
     settings: DeepepV2Settings = field(default_factory=DeepepV2Settings)
-    layout: ExpertLayout = ExpertLayout.COMPACT
-    expert_alignment: int = 1
+    layout: ExpertLayout = field(default=ExpertLayout.COMPACT, metadata={"note": "an ExpertLayout or its name"})
+    expert_alignment: int = field(default=1, metadata={"minimum": 1, "note": "1 for no padding"})
     mask_foreign_weights: bool = True
     clear_tail: bool = True
 
     def __post_init__(self) -> None:
+        # Each field by its annotation (a layout name becomes its ExpertLayout member: the backends compare with
+        # ``is``), then what depends on several fields.
+        check_fields(self, _how_to_set_config_field)
         self.check()
         # A configuration keys the backend's per-call argument cache on every call: hash it once.
         object.__setattr__(self, "_hash", hash((self.backend, self.settings, self.layout, self.expert_alignment,
                                                 self.mask_foreign_weights, self.clear_tail)))
 
     def check(self) -> None:
-        """Checks the configuration (its settings checked themselves when built).
+        """Checks what depends on several fields (each field was checked as it was built, its settings too).
 
         Raises:
-            ValueError: For an alignment that is not an integer >= 1, or deterministic mode where the backend cannot
-                order the received rows (:meth:`DispatchBackend.deterministic_order_unavailable_reason`).
+            ValueError: For deterministic mode where the backend cannot order the received rows
+                (:meth:`DispatchBackend.deterministic_order_unavailable_reason`).
         """
-        alignment = self.expert_alignment
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
-            raise ValueError(f"expert_alignment={alignment!r} must be an integer >= 1 (1 = no padding).")
         settings = self.settings
         reason = settings.deterministic and self.backend.deterministic_order_unavailable_reason(settings.host_sync)
         if reason:
@@ -91,6 +94,16 @@ class DispatchConfig:
     host_sync = property(lambda self: self.settings.host_sync, doc="Whether a dispatch waits on the host for sizes.")
     padded = property(lambda self: self.layout is ExpertLayout.EXPAND and self.expert_alignment > 1,
                       doc="Whether expand blocks have padding rows (alignment > 1): zero, as their weights.")
+
+
+def _how_to_set_config_field(f: Field) -> str:
+    """How a :class:`DispatchConfig` field is given, for its errors (the field's note follows it)."""
+    if f.name == "settings":
+        return "Build it with DeepepV2Settings(...), or pass settings as keywords to resolve_config() or dispatch()"
+    if f.name == "backend":
+        return ("Pass a backend class to DispatchConfig, or a backend name as backend= to resolve_config() or "
+                "dispatch()")
+    return f"Pass it to DispatchConfig, or as {f.name}= to resolve_config() or dispatch()"
 
 
 #: What the ranks of a group agree on when they build a buffer, and what keeps buffers apart: the buffer's key

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import megatron_deepepv2 as dv2
 from megatron_deepepv2.backends.base import DispatchConfig
@@ -55,18 +56,15 @@ def _compact_worker(rank: int, world: int) -> None:
     assert result.handle.tokens_per_expert_list == counts.tolist()
 
 
-def _expand_worker(rank: int, world: int, alignment: int) -> None:
-    problem = make_problem(4, TOKENS[:world], HIDDEN, EXPERTS, TOPK)
-    mine = problem.rows(rank)
+def _assert_expand_rows(result, problem, rank: int, world: int, alignment: int) -> None:
+    """``result`` is ``rank``'s expand receive of ``problem``: per local expert, the rows and weights of its selections
+    in global source order, padded with zero rows to a multiple of ``alignment``; counts as the blocks; no ids."""
     local = EXPERTS // world
-    result = dv2.dispatch(
-        problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], EXPERTS,
-        layout="expand", expert_alignment=alignment,
-    )
     assert result.recv_topk_idx is None
     assert result.recv_topk_weights.dim() == 1
+    expected_counts = []
     offset = 0
-    for expert, count in enumerate(result.handle.tokens_per_expert_list):
+    for expert in range(local):
         global_expert = rank * local + expert
         expected_rows, expected_w = [], []
         for t in range(sum(problem.tokens_per_rank)):  # global source order
@@ -74,8 +72,8 @@ def _expand_worker(rank: int, world: int, alignment: int) -> None:
             if len(slots):
                 expected_rows.append(problem.x[t])
                 expected_w.append(problem.topk_weights[t, slots[0, 0]])
-        assert count % alignment == 0 and count >= len(expected_rows)
-        assert count - len(expected_rows) < alignment
+        count = -(-len(expected_rows) // alignment) * alignment
+        expected_counts.append(count)
         block = result.recv_x[offset : offset + count]
         block_w = result.recv_topk_weights[offset : offset + count]
         if expected_rows:
@@ -84,7 +82,45 @@ def _expand_worker(rank: int, world: int, alignment: int) -> None:
         assert not block[len(expected_rows) :].any(), "padding rows must be zero"
         assert not block_w[len(expected_rows) :].any(), "padding weights must be zero"
         offset += count
-    assert offset == result.recv_x.shape[0]
+    assert result.handle.tokens_per_expert_list == expected_counts
+    assert result.tokens_per_expert.tolist() == expected_counts
+    assert result.recv_x.shape[0] == offset == sum(expected_counts)
+
+
+def _expand_worker(rank: int, world: int, alignment: int) -> None:
+    problem = make_problem(4, TOKENS[:world], HIDDEN, EXPERTS, TOPK)
+    mine = problem.rows(rank)
+    result = dv2.dispatch(
+        problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], EXPERTS,
+        layout="expand", expert_alignment=alignment,
+    )
+    _assert_expand_rows(result, problem, rank, world, alignment)
+
+
+def _string_layout_worker(rank: int, world: int) -> None:
+    """A configuration given the layout as a string dispatches in that layout, and the dispatches of the equal
+    configurations made afterwards (the documented keywords, the enum) do too."""
+    from megatron_deepepv2 import ops
+
+    problem = make_problem(8, [6, 5][:world], HIDDEN, EXPERTS, TOPK)
+    mine = problem.rows(rank)
+    args = (problem.x[mine], problem.topk_idx[mine], problem.topk_weights[mine], EXPERTS)
+    # The process-wide settings: the configuration the keywords below resolve to equals this one.
+    by_name = DispatchConfig(ReferenceBackend, dv2.get_settings(), layout="expand", expert_alignment=16)
+    _assert_expand_rows(dv2.dispatch(*args, config=by_name), problem, rank, world, 16)
+    assert dv2.resolve_config(layout="expand", expert_alignment=16, backend="reference") == by_name
+    _assert_expand_rows(dv2.dispatch(*args, layout="expand", expert_alignment=16, backend="reference"), problem,
+                        rank, world, 16)
+    by_enum = DispatchConfig(ReferenceBackend, dv2.get_settings(), layout=dv2.ExpertLayout.EXPAND, expert_alignment=16)
+    _assert_expand_rows(dv2.dispatch(*args, config=by_enum), problem, rank, world, 16)
+    dispatcher = ops.bind(by_name, dist.group.WORLD, EXPERTS)
+    assert dispatcher is ops.bind(by_enum, dist.group.WORLD, EXPERTS)
+    assert dispatcher.config.layout is dv2.ExpertLayout.EXPAND
+    # The compact name: compact rows with [N, K] local ids, source-rank-major.
+    compact = dv2.dispatch(*args, config=DispatchConfig(ReferenceBackend, layout="compact"))
+    rows, ids, _ = _expected_compact(problem, rank, world)
+    assert compact.recv_x.shape[0] == len(rows) and torch.equal(compact.recv_x, torch.stack(rows))
+    assert torch.equal(compact.recv_topk_idx, torch.stack(ids))
 
 
 def _cached_worker(rank: int, world: int, layout: str) -> None:
@@ -131,6 +167,12 @@ def test_compact_rows_are_source_rank_major_with_local_ids(world: int) -> None:
 def test_expand_rows_grouped_by_expert_in_source_order_with_zero_padding(alignment: int) -> None:
     """Padding rows are zero (the backend leaves them NaN where nothing asks for zeros)."""
     run_distributed(_expand_worker, 4, alignment)
+
+
+def test_a_layout_given_as_a_string_dispatches_in_that_layout() -> None:
+    """``DispatchConfig(layout="expand")`` gives expanded rows (not compact rows with expand counts), and afterwards
+    ``dispatch(layout="expand", ...)`` in the same process still does."""
+    run_distributed(_string_layout_worker, 2)
 
 
 @pytest.mark.parametrize("layout", ["compact", "expand"])

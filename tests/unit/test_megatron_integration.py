@@ -431,34 +431,42 @@ def test_old_megatron_raises_and_newer_ones_warn() -> None:
     assert run_distributed(_unsupported_version, 1) == ["ok"]
 
 
-def _sm_setting(rank: int, world: int) -> list[int]:
+#: (Megatron's SM count, the num_sms setting, the count DeepEP's fresh dispatches must get): Megatron's wins; unset,
+#: the setting; not given, the package default (64, the measured knee of docs/usage.md); 0 is DeepEP's own choice.
+SM_CASES = ((24, None, 24), (24, 12, 24), (None, None, 64), (None, 12, 12), (None, 0, 0))
+
+
+def _sm_setting(rank: int, world: int) -> list[list[int]]:
     _setup()
     import megatron_deepepv2 as dv2
-    from megatron_deepepv2 import buffers
-    from megatron_deepepv2.config import DeepepV2Settings
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, transformer_config
+    from tests.unit.test_deepep_adapter import STAND_INS, use_stand_in_backend
 
+    use_stand_in_backend()  # the DeepEP adapter over the 2.1 stand-in, which records each call's arguments
+    dv2.configure(backend="deepep", validate=False)
+    calls = STAND_INS["2.1"][1].calls
     field = "moe_flex_dispatcher_num_sms"
     if not hasattr(transformer_config(TinyMoEConfig(), "deepepv2"), field):
         field = "moe_deepep_num_sms"  # megatron-core < 0.19
     unset = {} if field == "moe_flex_dispatcher_num_sms" else {field: 0}  # before 0.19 only 0 means unset
     seen = []
-    for megatron_value, env_value in ((24, None), (None, None), (None, 0)):
+    for megatron_value, setting, _ in SM_CASES:
         extra = unset if megatron_value is None else {field: megatron_value}
         shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=4, topk=2, extra=extra)
-        with dv2.settings_override(**({} if env_value is None else {"num_sms": env_value})):
+        with dv2.settings_override(**({} if setting is None else {"num_sms": setting})):
             layer = build_moe_layer(shape, "deepepv2")
+            calls.clear()
             layer(torch.randn(6, 1, 32))[0].sum().backward()
-        (buffer,) = buffers.active_buffers()
-        seen.append(buffer.spec.settings.num_sms)
+        seen.append([call["num_sms"] for call in calls if call["op"] == "dispatch" and not call["cached"]])
         dv2.destroy_buffers()
-    assert seen == [24, DeepepV2Settings().num_sms, 0], seen
     return seen
 
 
 def test_sm_setting_reaches_the_buffer() -> None:
-    """Megatron's SM count wins; unset -> the package default (measured); MEGATRON_DEEPEPV2_NUM_SMS=0 -> DeepEP's model."""
-    run_distributed(_sm_setting, 2)
+    """The SM count each fresh DeepEP dispatch of a Megatron layer gets, as the adapter passes it to DeepEP: Megatron's
+    wins; unset, the num_sms setting; neither, the package default; a setting of 0 leaves the choice to DeepEP."""
+    for seen in run_distributed(_sm_setting, 2, env={"LOCAL_WORLD_SIZE": "2"}):
+        assert seen == [[expected] for _, _, expected in SM_CASES], seen
 
 
 # ------------------------------------------------------------------------------------------------

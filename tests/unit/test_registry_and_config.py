@@ -120,13 +120,16 @@ def test_settings_from_environment() -> None:
         ({"MEGATRON_DEEPEPV2_VALIDATE": "maybe"}, "is not a boolean"),
         ({"MEGATRON_DEEPEPV2_NUM_SMS": "many"}, "is not an integer"),
         ({"MEGATRON_DEEPEPV2_NO_HOST_SYNC": "perhaps"}, "MEGATRON_DEEPEPV2_NO_HOST_SYNC='perhaps' is not a boolean"),
-        ({"MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK": "-5"}, "must be a positive token count"),
-        ({"MEGATRON_DEEPEPV2_NUM_SMS": "-1"}, r"num_sms=-1 must be >= 0"),
-        ({"MEGATRON_DEEPEPV2_MANAGER": "mine"}, "is not one of plugin, native"),
+        ({"MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK": "-5"},
+         r"num_max_tokens_per_rank=-5 must be an integer >= 1 or None.*MEGATRON_DEEPEPV2_MAX_TOKENS_PER_RANK"),
+        ({"MEGATRON_DEEPEPV2_NUM_SMS": "-1"},
+         r"num_sms=-1 must be an integer >= 0; .*MEGATRON_DEEPEPV2_NUM_SMS: 0 for the backend's choice\."),
+        ({"MEGATRON_DEEPEPV2_NUM_SMS": "1.5"}, r"MEGATRON_DEEPEPV2_NUM_SMS='1.5' is not an integer"),
+        ({"MEGATRON_DEEPEPV2_MANAGER": "mine"}, "is not one of plugin, native.*MEGATRON_DEEPEPV2_MANAGER"),
     ],
 )
 def test_bad_environment_values_are_rejected_when_read(env: dict, message: str) -> None:
-    """A value its type cannot parse, or one out of range, raises when the settings are read."""
+    """A value its type cannot parse, or one out of range, raises when the settings are read, naming the variable."""
     with pytest.raises(ValueError, match=message):
         DeepepV2Settings.from_env(env)
 
@@ -285,3 +288,161 @@ def test_a_removed_variable_says_what_to_do_instead(caplog: pytest.LogCaptureFix
     assert "MEGATRON_DEEPEPV2_LAYOUT is set, but no megatron_deepepv2 setting reads it any more: Megatron layers " \
            "always dispatch in the expand layout" in caplog.text, caplog.text
     assert not set(REMOVED_VARIABLES) & set(setting_variables())
+
+
+# ------------------------------------------------------------------------------------------------
+# Types and enums of settings and configurations, checked where they are built
+# ------------------------------------------------------------------------------------------------
+def _every_way_to_give(change: dict) -> list:
+    """Each way code gives settings: a settings object, configure(), settings_override() and resolve_config() (which
+    reads None as "unset" and a backend as the configuration's)."""
+    ways = [lambda: DeepepV2Settings(**change), lambda: dv2.configure(**change),
+            lambda: dv2.settings_override(**change).__enter__()]
+    if None not in change.values() and "backend" not in change:
+        ways.append(lambda: dv2.resolve_config(backend="reference", **change))
+    return ways
+
+
+def _assert_refused(change: dict, accepted: str) -> None:
+    """Every way of giving ``change`` (one setting) raises a ValueError naming the setting, the value, its type,
+    ``accepted`` and how to give it (in code and its variable), and leaves the process-wide settings as they were."""
+    ((name, value),) = change.items()
+    variable = PREFIX + ("NO_HOST_SYNC" if name == "host_sync" else name.upper())
+    before = dv2.get_settings()
+    for give in _every_way_to_give(change):
+        with pytest.raises(ValueError) as info:
+            give()
+        message = str(info.value)
+        assert message.startswith(f"DeepepV2Settings.{name}={value!r} {accepted}; got {type(value).__name__}. "
+                                  f"Give it as configure({name}=...), or set {variable}"), message
+        assert dv2.get_settings() == before
+
+
+@pytest.mark.parametrize("name", ["validate", "check_ids", "deterministic", "host_sync", "fp8_dispatch"])
+@pytest.mark.parametrize("value", ["no", "False", "", 0, 1, None, 1.0])
+def test_a_bool_setting_takes_only_a_bool(name: str, value) -> None:
+    """``validate="no"`` would be truthy: strings, ints and None are refused, True and False kept as given."""
+    _assert_refused({name: value}, "must be True or False")
+    for flag in (True, False):
+        assert getattr(DeepepV2Settings(**{name: flag}), name) is flag
+
+
+@pytest.mark.parametrize("value", ["no", "auto", 0, 1])
+def test_allow_hybrid_mode_takes_a_bool_or_none(value) -> None:
+    """The setting Megatron's first build turned into ``int("no")``: refused where it is given."""
+    _assert_refused({"allow_hybrid_mode": value}, "must be True, False or None")
+    for mode in (None, True, False):
+        assert DeepepV2Settings(allow_hybrid_mode=mode).allow_hybrid_mode is mode
+
+
+@pytest.mark.parametrize("value", [1.5, 24.0, True, False, -1, -64, "24", None])
+def test_an_sm_count_is_a_non_negative_int(value) -> None:
+    """Floats (even whole ones), bools, negatives, strings and None are refused; 0 stays DeepEP's own choice."""
+    _assert_refused({"num_sms": value}, "must be an integer >= 0")
+    for count in (0, 1, 24, 132):
+        settings = DeepepV2Settings(num_sms=count)
+        assert settings.num_sms == count and type(settings.num_sms) is int
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, 4096.0, True, "4096"])
+def test_a_token_capacity_is_a_positive_int_or_none(value) -> None:
+    _assert_refused({"num_max_tokens_per_rank": value}, "must be an integer >= 1 or None")
+    assert DeepepV2Settings(num_max_tokens_per_rank=None).num_max_tokens_per_rank is None
+    assert DeepepV2Settings(num_max_tokens_per_rank=4096).num_max_tokens_per_rank == 4096
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), True, "120", None])
+def test_a_timeout_is_a_positive_number(value) -> None:
+    _assert_refused({"growth_timeout_s": value}, "must be a number > 0")
+    assert DeepepV2Settings(growth_timeout_s=5).growth_timeout_s == 5.0
+
+
+@pytest.mark.parametrize(("name", "value", "accepted"), [
+    ("manager", "megatron", "is not one of plugin, native"),
+    ("manager", None, "is not one of plugin, native"),
+    ("experts", "dense", "is not one of spec, sync_free"),
+    ("experts", 1, "is not one of spec, sync_free"),
+    ("backend", 3, "must be a non-empty name (a str)"),
+    ("backend", "", "must be a non-empty name (a str)"),
+])
+def test_a_named_setting_takes_a_string_of_its_names(name: str, value, accepted: str) -> None:
+    """Enum settings take their names in any case (``-`` for ``_``) and nothing else; the backend any name, looked up
+    when a configuration is resolved."""
+    _assert_refused({name: value}, accepted)
+
+
+def test_named_settings_are_stored_in_one_spelling() -> None:
+    settings = DeepepV2Settings(manager="NATIVE", experts="Sync-Free", backend=" Reference ")
+    assert (settings.manager, settings.experts, settings.backend) == ("native", "sync_free", "reference")
+
+
+def test_a_type_error_in_a_setting_is_refused_before_any_communication() -> None:
+    """dispatch() names the setting (the process has no group here: the error comes before any collective)."""
+    with pytest.raises(ValueError, match=r"DeepepV2Settings\.num_sms=1\.5 must be an integer >= 0"):
+        dv2.resolve_config(backend="reference", layout="expand", num_sms=1.5)
+
+
+def test_settings_and_dispatch_config_fields_overlap_only_in_the_backend() -> None:
+    """resolve_config() routes each keyword by name to the settings or to the configuration: a name in both would
+    reach one of them silently. The one shared name is ``backend``, which resolve_config() handles on its own (the
+    setting names the backend, the configuration holds the class that runs)."""
+    import dataclasses
+
+    from megatron_deepepv2.backends.base import DispatchConfig
+
+    settings = {f.name for f in dataclasses.fields(DeepepV2Settings)}
+    config = {f.name for f in dataclasses.fields(DispatchConfig)}
+    assert settings & config == {"backend"}, f"fields in both DeepepV2Settings and DispatchConfig: {settings & config}"
+    resolved = dv2.resolve_config(backend="reference", layout="expand")
+    assert resolved.backend is ReferenceBackend
+
+
+@pytest.mark.parametrize("spelling", ["expand", "EXPAND", " Expand", dv2.ExpertLayout.EXPAND])
+def test_a_layout_name_becomes_the_enum_member_where_the_config_is_built(spelling) -> None:
+    """The backends compare layouts with ``is``: a string must not survive construction. The string and enum
+    configurations are then the same configuration (equal, same hash), as they dispatch alike."""
+    from megatron_deepepv2.backends.base import DispatchConfig
+
+    config = DispatchConfig(ReferenceBackend, layout=spelling, expert_alignment=16)
+    assert config.layout is dv2.ExpertLayout.EXPAND and config.padded
+    assert DispatchConfig(ReferenceBackend, layout="compact").layout is dv2.ExpertLayout.COMPACT
+    enum_config = DispatchConfig(ReferenceBackend, layout=dv2.ExpertLayout.EXPAND, expert_alignment=16)
+    assert config == enum_config and hash(config) == hash(enum_config)
+    assert dv2.resolve_config(backend="reference", layout=spelling).layout is dv2.ExpertLayout.EXPAND
+
+
+@pytest.mark.parametrize(("change", "accepted"), [
+    ({"layout": "sideways"}, "is not one of compact, expand"),
+    ({"layout": 1}, "is not one of compact, expand"),
+    ({"layout": None}, "is not one of compact, expand"),
+    ({"expert_alignment": 2.0}, "must be an integer >= 1"),
+    ({"mask_foreign_weights": "no"}, "must be True or False"),
+    ({"clear_tail": 0}, "must be True or False"),
+    ({"settings": {"num_sms": 8}}, "must be a DeepepV2Settings"),
+])
+def test_a_dispatch_config_checks_each_field_when_built(change: dict, accepted: str) -> None:
+    from megatron_deepepv2.backends.base import DispatchConfig
+
+    ((name, value),) = change.items()
+    with pytest.raises(ValueError) as info:
+        DispatchConfig(ReferenceBackend, **change)
+    assert str(info.value).startswith(f"DispatchConfig.{name}={value!r} {accepted}"), str(info.value)
+    assert f"; got {type(value).__name__}." in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["reference", object, None])
+def test_a_dispatch_config_takes_a_backend_class(backend) -> None:
+    from megatron_deepepv2.backends.base import DispatchConfig
+
+    with pytest.raises(ValueError, match=r"DispatchConfig\.backend=.* must be a subclass of DispatchBackend"):
+        DispatchConfig(backend)
+
+
+def test_worst_case_rows_read_a_layout_name_as_its_layout() -> None:
+    from megatron_deepepv2.layout import worst_case_recv_rows
+
+    sizes = dict(group_size=2, num_max_tokens_per_rank=8, num_topk=3, num_local_experts=4, expert_alignment=4)
+    assert worst_case_recv_rows("compact", **sizes) == 2 * 8  # G * T_max
+    assert worst_case_recv_rows("expand", **sizes) == 2 * 8 * 3 + 3 * 4  # G * T_max * min(K, E_local) + 3 * E_local
+    with pytest.raises(ValueError, match="not a known expert layout"):
+        worst_case_recv_rows("sideways", **sizes)
