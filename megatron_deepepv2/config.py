@@ -30,8 +30,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 #: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
 #: about: the test suite's Megatron-LM tree with a native deepepv2 and the DeepEP and NCCL trees of the README's GPU
-#: test; and the node identity of :mod:`megatron_deepepv2.topology`, which differs per node.
-OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES", "MEGATRON_DEEPEPV2_NODE_ID")
+#: test and how many one-GPU test jobs share a GPU; and the node identity of :mod:`megatron_deepepv2.topology`, which
+#: differs per node.
+OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES", "MEGATRON_DEEPEPV2_NODE_ID",
+                   "MEGATRON_DEEPEPV2_GPU_JOB_SLOTS")
 #: Variables of settings that are gone, and what to do instead (their WARNING says so).
 REMOVED_VARIABLES = {
     "MEGATRON_DEEPEPV2_LAYOUT": "Megatron layers always dispatch in the expand layout, and direct callers pass layout= "
