@@ -565,7 +565,10 @@ def software_versions(packages: Sequence[str] = RECORDED_PACKAGES) -> dict[str, 
     import torch  # noqa: PLC0415  (not at import time: see the module docstring)
 
     if torch.cuda.is_available():
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        from megatron_deepepv2.deepep_lines import runtime_nccl_version  # noqa: PLC0415
+
+        loaded = runtime_nccl_version()  # not torch.cuda.nccl.version(): the NCCL torch was built with
+        versions["nccl"] = ".".join(map(str, loaded)) if loaded else None
     return versions
 
 

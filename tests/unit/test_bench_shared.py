@@ -208,3 +208,26 @@ def test_the_manager_switches_are_those_the_checkouts_resolver_takes() -> None:
     oldest = SimpleNamespace(DispatchConfig=NamedConfig)
     assert _bench.resolver_fields(oldest) == {"layout", "mask_foreign_weights"}
     assert _bench.megatron_manager_overrides(oldest) == {"mask_foreign_weights": False}
+
+
+def test_recorded_nccl_is_the_library_loaded_not_the_one_torch_was_built_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepEP v2 setups load a newer NCCL than PyTorch was built with; a record names the loaded one."""
+    import torch
+
+    from megatron_deepepv2 import deepep_lines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))  # what torch was built with
+    monkeypatch.setattr(deepep_lines, "mapped_nccl_libraries", lambda: ["/stand-in/libnccl.so.2"])
+
+    class LoadedNccl:
+        """``ncclGetVersion`` of a loaded NCCL 2.30.7 (its code is major * 10000 + minor * 100 + patch)."""
+
+        @staticmethod
+        def ncclGetVersion(pointer) -> int:  # noqa: N802 - NCCL's name
+            pointer._obj.value = 23007
+            return 0
+
+    monkeypatch.setattr(deepep_lines.ctypes, "CDLL", lambda path: LoadedNccl())
+    versions = _bench.software_versions(packages=("torch",))
+    assert versions["nccl"] == "2.30.7", versions

@@ -97,3 +97,48 @@ def test_runs_without_host_sync_take_the_sync_free_experts() -> None:
     assert "MEGATRON_DEEPEPV2_EXPERTS" not in with_sync and with_sync["MEGATRON_DEEPEPV2_NO_HOST_SYNC"] == "0"
     assert without == {"MEGATRON_DEEPEPV2_BACKEND": "deepep", "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1",
                        "MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
+
+
+# Upstream cases that are not the flex backend's to pass: one builds Megatron's NCCL-EP dispatcher itself (it would
+# fail here), and an FP8 case, which SyncFreeSequentialMLP experts must refuse (one stand-in refuses, one does not).
+NOT_FLEX_CASES = textwrap.dedent("""
+    import os
+    import pytest
+
+    class TestFlexDispatcher:
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
+        def test_forward_backward_zero_copy(self, tp_size, ep_size):
+            raise AssertionError("NCCL EP dispatcher requires TPxEP > 1")
+
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
+        @pytest.mark.parametrize("refuses", [True, False])
+        def test_router_padding_for_fp8_forward_backward(self, tp_size, ep_size, refuses):
+            if refuses and os.environ.get("MEGATRON_DEEPEPV2_EXPERTS") == "sync_free":
+                raise ValueError("SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; drop --fp8-format")
+""")
+
+
+@pytest.mark.parametrize("host_sync", ["on", "off"])
+def test_cases_of_another_backend_skip_and_fp8_cases_must_meet_the_sync_free_refusal(tmp_path: Path,
+                                                                                       host_sync: str) -> None:
+    """The NCCL-EP case skips saying what it builds; without host sync (sync-free experts) an FP8 case must fail with
+    the package's refusal, and one that does not fails the run; with host sync FP8 cases run as they are."""
+    test_file = tmp_path / "tree" / megatron_conformance.TEST_FILE
+    test_file.parent.mkdir(parents=True)
+    test_file.write_text(NOT_FLEX_CASES)
+    out = tmp_path / "out"
+    done = subprocess.run([preloaded_python.python(), str(ROOT / "tools" / "megatron_conformance.py"), "--megatron-lm",
+                           str(tmp_path / "tree"), "--backends", "reference", "--host-sync", host_sync, "--nproc", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    (run,) = json.loads((out / "megatron_conformance.json").read_text())["runs"].values()
+    cases = {case.split("::", 1)[1]: result for case, result in run["cases"].items()}
+    zero_copy = cases["test_forward_backward_zero_copy[1-1]"]
+    assert zero_copy["outcome"] == "skipped" and "not a deepepv2 case: tests Megatron's NCCL-EP dispatcher" in \
+        zero_copy["detail"], cases
+    refusing, accepting = (cases[f"test_router_padding_for_fp8_forward_backward[{refuses}-1-1]"]
+                           for refuses in ("True", "False"))
+    if host_sync == "on":
+        assert refusing["outcome"] == accepting["outcome"] == "passed" and done.returncode == 0, cases
+    else:
+        assert refusing["outcome"] == "skipped" and "refuses FP8 experts" in refusing["detail"], cases
+        assert accepting["outcome"] == "failed" and done.returncode == 1, cases  # the refusal must happen
