@@ -92,8 +92,11 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("EP2 over NVLink (2x H200)", GPU, jsons=("docs/bench_T4096_H4096_E64_bf16.json",),
                note="once, on code older than the bound-dispatcher redesign"),
     Capability("Transformer Engine at EP=1 (1x H100): TE layers with `TEGroupedMLP` (host sync; also through TE's op "
-               "fuser), fused permute, deterministic mode, a whole TE layer in a CUDA graph; against alltoall; "
-               "[what runs](docs/usage.md#transformer-engine)", GPU, jsons=("docs/functional_te_h100_ep1.json",)),
+               "fuser), fused permute, TE's FP8 recipes against BF16, deterministic mode, TE's partial CUDA graphs and "
+               "whole TE layers in CUDA graphs; against alltoall, in functional cases and `pretrain_gpt.py`; "
+               "[what runs](docs/usage.md#transformer-engine)", GPU,
+               jsons=("docs/functional_te_h100_ep1.json", "docs/training_te_h100_ep1.json",
+                      "docs/training_te_deterministic_h100_ep1.json", "docs/megatron_conformance_te_h100_ep1.json")),
     Capability("megatron-core 0.17.1 and 0.18.2", CPU,
                tests=("make test-compat", "tests/unit/test_megatron_integration.py", "tests/unit/test_no_host_sync.py",
                       "tests/unit/test_ep_overlap.py", "tests/unit/test_run_entry_point.py", "tests/unit/test_demo.py"),
@@ -110,10 +113,6 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("Megatron's EP all-to-all overlap (combined 1F1B)", CPU, tests=("tests/unit/test_ep_overlap.py",),
                note="needs EP > 1"),
     Capability("NCCL GIN over RDMA", NEVER),
-    Capability("Transformer Engine's FP8 recipes with deepepv2 checked against BF16, and TE's partial CUDA graphs "
-               "(`--cuda-graph-impl transformer_engine`)", NEVER,
-               note="the FP8 case (`te_fp8_recipes_as_accurate_as_alltoall`) exists; its one run stopped on its own "
-                    "setup (the JSON of the Transformer Engine row)"),
     Capability("SM100 (Blackwell)", NEVER, note="built for"),
 )
 

@@ -1294,6 +1294,82 @@ FIGURES: list[Figure] = [
 ]
 
 
+# ---- Transformer Engine (functional_te_h100_ep1.json, training_te_*.json) ----
+TE_CASES, TE_TRAIN, TE_DET = ("functional_te_h100_ep1.json", "training_te_h100_ep1.json",
+                              "training_te_deterministic_h100_ep1.json")
+
+
+def te_log(case: str, pattern: str, group: int = 1) -> Source:
+    """A number in the first line of a TE case's log that ``pattern`` matches (its ``group``)."""
+    def find(log: list[str]) -> float:
+        return float(next(m for m in (re.search(pattern, entry) for entry in log) if m).group(group))
+    return calc(find, J(TE_CASES, "cases", case, "log"))
+
+
+def te_gap(run: str, baseline: str, file: str = TE_TRAIN) -> Source:
+    """The largest absolute loss gap over the steps two runs share."""
+    return calc(lambda a, b: max(abs(a[step] - b[step]) for step in a if step in b),
+                J(file, "runs", {"run": run}, "loss"), J(file, "runs", {"run": baseline}, "loss"))
+
+
+def te_fp8(recipe: str) -> tuple[Source, Source]:
+    """deepepv2's and alltoall's largest relative error against BF16 under an FP8 recipe (``recipe`` a regex)."""
+    pattern = rf"FP8 {recipe}: largest relative error against BF16 ([\d.e+-]+) \(\S+; alltoall ([\d.e+-]+)\)"
+    case = "te_fp8_recipes_as_accurate_as_alltoall"
+    return te_log(case, pattern, 1), te_log(case, pattern, 2)
+
+
+def sci(x: float) -> str:
+    """x as the TE section writes it: ``9.27e-2``."""
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def sci1(x: float) -> str:
+    """x with two significant digits: ``4.7e-4``."""
+    return short_e(x)
+
+
+TE_FIGURES: list[Figure] = [
+    fig("usage.md", "a whole TE `TransformerLayer` within {} of alltoall",
+        calc(sci1, te_log("te_layer_with_grouped_mlp_matches_alltoall", r"largest relative error ([\d.e+-]+)"))),
+    fig("usage.md", "runs: within {}.", calc(sci1, te_log("te_op_fuser_grouped_mlp_with_and_without_host_sync",
+                                                         r"host sync: \d+ tensors, largest relative error ([\d.e+-]+)"))),
+    fig("usage.md", "matches within {})", calc(sci1, te_log("permute_fusion_matches_alltoall",
+                                                            r"largest relative error ([\d.e+-]+)"))),
+    fig("usage.md", "delayed {} (alltoall {}), tensorwise {} ({}), blockwise {} ({}); with FP8 dispatch as well, {}, {} "
+                    "and {} (alltoall {}, {}, {})",
+        *[calc(sci, source) for recipe in ("delayed", "tensorwise", "blockwise") for source in te_fp8(recipe)],
+        *[calc(sci, te_fp8(rf"{recipe} \+ FP8 dispatch")[0]) for recipe in ("delayed", "tensorwise", "blockwise")],
+        *[calc(sci, te_fp8(rf"{recipe} \+ FP8 dispatch")[1]) for recipe in ("delayed", "tensorwise", "blockwise")]),
+    fig("usage.md", "`TEGroupedMLP` {}; `TEGroupedMLP` with TE's partial graphs (8 layers captured) {}; "
+                    "`SyncFreeSequentialMLP` without host sync under TE's partial graphs against alltoall's with host "
+                    "sync {};",
+        calc(sci1, te_gap("deepepv2-te", "alltoall-te")), calc(sci1, te_gap("deepepv2-te-graphs", "alltoall-te-graphs")),
+        calc(sci1, te_gap("deepepv2-nohostsync-te-graphs", "alltoall-syncfree-te-graphs"))),
+    fig("usage.md", "(the two dispatchers {} apart)",
+        calc(sci1, te_gap("deepepv2-te#1", "alltoall-te#1", TE_DET))),
+    fig("usage.md", "part from the eager runs by {} at step 20",
+        calc(sci1, te_gap("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs"))),
+    *[fig("training.md", row(f"`{run}`", f"`{baseline}`", "{}", "{:.4f} / {:.4f}"),
+          calc(sci1, te_gap(run, baseline)), J(TE_TRAIN, "runs", {"run": run}, "last_loss"),
+          J(TE_TRAIN, "runs", {"run": baseline}, "last_loss"))
+      for run, baseline in (("deepepv2-te", "alltoall-te"), ("deepepv2-te-graphs", "alltoall-te-graphs"),
+                            ("deepepv2-nohostsync-te-graphs", "alltoall-syncfree-te-graphs"))],
+    fig("training.md", "| `deepepv2-nohostsync-te-layer-graphs` | `alltoall-syncfree-te-graphs` | {} (whole-layer "
+                       "graphs: dropout from another stream) | {:.4f} / {:.4f} |",
+        calc(sci1, te_gap("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs")),
+        J(TE_TRAIN, "runs", {"run": "deepepv2-nohostsync-te-layer-graphs"}, "last_loss"),
+        J(TE_TRAIN, "runs", {"run": "alltoall-syncfree-te-graphs"}, "last_loss")),
+    *[fig("training.md", f"| `{label}`, `--deterministic-mode`, run 2 | run 1 | 0 (bit for bit, 20 steps) | {{:.4f}} |",
+          calc(lambda equal, loss: loss if equal else float("nan"),
+               J(TE_DET, "bitwise", {"runs": [label, label]}, "equal"),
+               J(TE_DET, "runs", {"run": f"{label}#2"}, "last_loss")))
+      for label in ("deepepv2-te", "alltoall-te")],
+]
+FIGURES += TE_FIGURES
+
+
 @pytest.mark.parametrize("figure", FIGURES, ids=[f"{figure.doc}-{i:03d}" for i, figure in enumerate(FIGURES)])
 def test_the_doc_quotes_the_json(figure: Figure) -> None:
     """The doc contains the figure's text with the values the JSONs give, and names those JSONs."""
