@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(PY) -m megatron_deepepv2.cli.demo $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(PY) tools/check_kernel_determinism_coverage.py --all
+	$(PY) tools/check_kernel_determinism_coverage.py --all --base-ref auto --labels $(DETERMINISM_LABELS)
 	$(PY) -m pytest -n $(TEST_WORKERS) -q $(PYTEST_ARGS)
 
 # Each older release goes into its own small folder (megatron-core only, no dependencies) that PYTHONPATH puts before

@@ -5,15 +5,23 @@ Violations (exit code 1):
 
 * a kernel-bearing file (registered, or matching the manifest's content patterns) is not registered;
 * a manifest entry has neither determinism tests nor an exempt reason, or names paths that do not exist;
-* a registered source changed while none of its determinism tests changed (a warning instead with the
-  ``determinism-exempt`` label).
+* a registered source changed while none of its determinism tests changed (the *change rule*; a warning instead
+  with the ``determinism-exempt`` label).
 
 Usage::
 
     tools/check_kernel_determinism_coverage.py --base-ref origin/main [--labels determinism-exempt]
     tools/check_kernel_determinism_coverage.py --files megatron_deepepv2/ops.py tests/determinism/test_replay.py
-    tools/check_kernel_determinism_coverage.py --all          # every file of the project (CI; also in a copy
-                                                              # without its own .git)
+    tools/check_kernel_determinism_coverage.py --all          # every file of the project, registration only (also
+                                                              # in a copy without its own .git)
+    tools/check_kernel_determinism_coverage.py --all --base-ref auto    # make test: registration of every file,
+                                        # and the change rule against the change's base (labels: DETERMINISM_LABELS=)
+
+``--base-ref auto`` compares against the merge base with ``upstream/main`` or ``origin/main`` (the first that
+exists), or against ``HEAD~1`` when there is neither or HEAD is already on it (a fresh clone of main: its last commit
+is the change). Where there is no such base -- a copy without its own ``.git``, a shallow clone without ``HEAD~1``,
+a first commit -- it says why, skips the change rule and judges the registration of every file. A diff is against
+the working tree, so uncommitted edits of tracked files count.
 
 Exit codes: 0 clean, 1 violations, 2 usage error. Standard library only.
 """
@@ -48,9 +56,45 @@ def _git(root: Path, *args: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if line.strip()]
 
 
+def _git_value(root: Path, *args: str) -> Optional[str]:
+    """The first line git prints for ``args``, or None when git fails or prints nothing."""
+    try:
+        lines = _git(root, *args)
+    except RuntimeError:
+        return None
+    return lines[0].strip() if lines else None
+
+
 #: Folders of a working tree that hold no project source (environments, caches, build outputs, git's own).
 NOT_SOURCE = {".git", ".venv", ".compat", "__pycache__", ".pytest_cache", "build", "dist", ".gpu", ".whl",
               "third_party", "out"}
+
+#: Remote branches whose merge base with HEAD is the base of a change (``--base-ref auto``), first found first.
+UPSTREAM_REFS = ("upstream/main", "origin/main")
+
+
+def not_own_checkout(root: Path) -> Optional[str]:
+    """Why ``root`` is not a git checkout of its own, or None when it is.
+
+    A copy without its own ``.git`` is either alone (git answers nothing) or inside another repository (git answers
+    for that one, which tracks none of these files under these paths).
+
+    Args:
+        root: The project's root folder.
+
+    Returns:
+        None when ``git rev-parse --show-toplevel`` run in ``root`` names ``root`` itself, else the reason.
+    """
+    try:
+        toplevel = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+    except OSError as error:  # no git at all
+        return f"git cannot run ({error})"
+    if toplevel.returncode != 0:
+        said = toplevel.stderr.strip().splitlines()
+        return f"{root} is not a git checkout ({said[-1] if said else 'git gave no reason'})"
+    if Path(toplevel.stdout.strip()).resolve() != root.resolve():
+        return f"{root} has no .git of its own (git answers for {toplevel.stdout.strip()})"
+    return None
 
 
 def project_files(root: Path) -> tuple[list[str], str]:
@@ -66,12 +110,7 @@ def project_files(root: Path) -> tuple[list[str], str]:
     Returns:
         Root-relative paths, and ``"git ls-files"`` or ``"the folder's files"``.
     """
-    try:
-        toplevel = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
-        own_checkout = toplevel.returncode == 0 and Path(toplevel.stdout.strip()).resolve() == root.resolve()
-    except OSError:  # no git at all
-        own_checkout = False
-    if own_checkout:
+    if not_own_checkout(root) is None:
         return _git(root, "ls-files"), "git ls-files"
     files = []
     for folder, dirs, names in os.walk(root):
@@ -81,26 +120,50 @@ def project_files(root: Path) -> tuple[list[str], str]:
 
 
 def changed_files(root: Path, base_ref: str) -> list[str]:
-    """Files added, copied, modified or renamed since the merge base with ``base_ref``."""
+    """Files added, copied, modified or renamed since the merge base with ``base_ref`` (working tree included)."""
     return _git(root, "diff", "--name-only", "--diff-filter=ACMR", "--merge-base", base_ref)
 
 
-def check(root: Path, manifest: ModuleType, files: Sequence[str], labels: Sequence[str],
-          require_test_update: bool = True) -> tuple[list[str], list[str]]:
-    """Runs the gate.
+def auto_base(root: Path) -> tuple[Optional[str], str]:
+    """The base of the change being judged, for ``--base-ref auto``.
+
+    The merge base of HEAD with the first of :data:`UPSTREAM_REFS` that exists; ``HEAD~1`` when none exists, when the
+    merge base cannot be found (a shallow history) or when it is HEAD itself (HEAD is on the upstream branch, as in a
+    fresh clone of main: its last commit is the change).
 
     Args:
-        root: Repository root.
-        manifest: The loaded manifest module.
-        files: Repository-relative paths to judge (changed files, or every file).
-        labels: Change labels (``determinism-exempt`` downgrades missing test updates to warnings).
-        require_test_update: Whether a changed source needs a changed test.
+        root: The project's root folder.
 
     Returns:
-        ``(violations, warnings)`` as sentences.
+        ``(commit, how it was chosen)``, or ``(None, why there is no base)``: not a git checkout of its own, no commit
+        yet, a shallow clone without ``HEAD~1``, or a first commit.
     """
+    reason = not_own_checkout(root)
+    if reason is not None:
+        return None, reason
+    head = _git_value(root, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+    if head is None:
+        return None, "HEAD names no commit yet"
+    note = "no upstream branch (" + " or ".join(UPSTREAM_REFS) + ")"
+    for ref in UPSTREAM_REFS:
+        if _git_value(root, "rev-parse", "--verify", "--quiet", f"refs/remotes/{ref}^{{commit}}") is None:
+            continue
+        base = _git_value(root, "merge-base", "HEAD", f"refs/remotes/{ref}")
+        if base is not None and base != head:
+            return base, f"the merge base with {ref}"
+        note = f"HEAD is on {ref}" if base == head else f"no merge base with {ref} in this history"
+        break
+    parent = _git_value(root, "rev-parse", "--verify", "--quiet", "HEAD~1^{commit}")
+    if parent is not None:
+        return parent, f"HEAD~1, the previous commit: {note}"
+    if _git_value(root, "rev-parse", "--is-shallow-repository") == "true":
+        return None, f"a shallow clone without HEAD~1 ({note}; 'git fetch --deepen=1' brings HEAD~1)"
+    return None, "HEAD is the first commit: nothing before it to compare with"
+
+
+def manifest_violations(root: Path, manifest: ModuleType) -> list[str]:
+    """Entries with a duplicate name, both or neither of tests and an exempt reason, or paths that do not exist."""
     violations: list[str] = []
-    warnings: list[str] = []
     names = [entry.name for entry in manifest.KERNELS]
     for duplicate in sorted({n for n in names if names.count(n) > 1}):
         violations.append(f"manifest entry name {duplicate!r} is used more than once")
@@ -112,13 +175,14 @@ def check(root: Path, manifest: ModuleType, files: Sequence[str], labels: Sequen
         for path in (*entry.sources, *entry.tests):
             if not (root / path).exists():
                 violations.append(f"manifest entry {entry.name!r} names {path}, which does not exist")
+    return violations
 
-    changed = set(files)
-    for path in sorted(changed):
-        if not manifest.is_scanned(path) or not (root / path).is_file():
-            continue
-        entries = manifest.entries_for(path)
-        if entries:
+
+def registration_violations(root: Path, manifest: ModuleType, files: Sequence[str]) -> list[str]:
+    """Kernel-bearing library files among ``files`` that no manifest entry registers."""
+    violations: list[str] = []
+    for path in sorted(set(files)):
+        if not manifest.is_scanned(path) or not (root / path).is_file() or manifest.entries_for(path):
             continue
         found = manifest.kernel_patterns_in((root / path).read_text(encoding="utf-8", errors="replace"))
         if found:
@@ -126,39 +190,124 @@ def check(root: Path, manifest: ModuleType, files: Sequence[str], labels: Sequen
                 f"{path} is kernel-bearing ({', '.join(found)}) but not registered in manifest.py; add a "
                 "KernelEntry with its determinism tests (or an exempt reason)"
             )
+    return violations
 
-    if require_test_update:
-        exempt = manifest.EXEMPT_LABEL in labels
-        for entry in manifest.KERNELS:
-            touched = sorted(changed.intersection(entry.sources))
-            if not touched or not entry.tests or changed.intersection(entry.tests):
-                continue
-            message = (
-                f"{', '.join(touched)} changed (manifest entry {entry.name!r}) but none of its determinism tests "
-                f"did: {', '.join(entry.tests)}"
-            )
-            (warnings if exempt else violations).append(
-                message + (f" [allowed by label {manifest.EXEMPT_LABEL!r}]" if exempt else
-                           f"; update a test or label the change {manifest.EXEMPT_LABEL!r}")
-            )
+
+def change_rule(manifest: ModuleType, changed: Sequence[str], labels: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The change rule: a registered source that changed needs one of its determinism tests changed too.
+
+    Args:
+        manifest: The loaded manifest module.
+        changed: Repository-relative paths changed since the base.
+        labels: Change labels (``determinism-exempt`` turns the violations into warnings).
+
+    Returns:
+        ``(violations, warnings)`` as sentences, each naming the sources, the entry and the tests that must change.
+    """
+    violations: list[str] = []
+    warnings: list[str] = []
+    exempt = manifest.EXEMPT_LABEL in labels
+    changed_set = set(changed)
+    for entry in manifest.KERNELS:
+        touched = sorted(changed_set.intersection(entry.sources))
+        if not touched or not entry.tests or changed_set.intersection(entry.tests):
+            continue
+        message = (
+            f"{', '.join(touched)} changed (manifest entry {entry.name!r}) but none of its determinism tests "
+            f"did: {', '.join(entry.tests)}"
+        )
+        (warnings if exempt else violations).append(
+            message + (f" [allowed by label {manifest.EXEMPT_LABEL!r}]" if exempt else
+                       f"; update a test or label the change {manifest.EXEMPT_LABEL!r} (--labels; make test: "
+                       f"DETERMINISM_LABELS={manifest.EXEMPT_LABEL})")
+        )
     return violations, warnings
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point; returns the exit code."""
+def change_summary(manifest: ModuleType, changed: Sequence[str]) -> str:
+    """Which registered kernels (entries and their changed sources) and determinism tests are among ``changed``."""
+    changed_set = set(changed)
+    kernels = [f"{entry.name} ({', '.join(sorted(changed_set.intersection(entry.sources)))})"
+               for entry in manifest.KERNELS if changed_set.intersection(entry.sources)]
+    tests = sorted(changed_set.intersection(test for entry in manifest.KERNELS for test in entry.tests))
+    return (f"{len(changed_set)} file(s) changed; kernels changed: {', '.join(kernels) or 'none'}; "
+            f"determinism tests changed: {', '.join(tests) or 'none'}")
+
+
+def check(root: Path, manifest: ModuleType, files: Sequence[str], labels: Sequence[str],
+          changed: Optional[Sequence[str]] = None) -> tuple[list[str], list[str]]:
+    """Runs the gate.
+
+    Args:
+        root: Repository root.
+        manifest: The loaded manifest module.
+        files: Repository-relative paths whose registration is judged (changed files, or every file).
+        labels: Change labels (``determinism-exempt`` downgrades missing test updates to warnings).
+        changed: Paths the change rule judges; None leaves the rule out (registration only).
+
+    Returns:
+        ``(violations, warnings)`` as sentences.
+    """
+    violations = manifest_violations(root, manifest) + registration_violations(root, manifest, files)
+    warnings: list[str] = []
+    if changed is not None:
+        rule_violations, warnings = change_rule(manifest, changed, labels)
+        violations += rule_violations
+    return violations, warnings
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--base-ref", help="judge the files changed since the merge base with this ref")
-    source.add_argument("--files", nargs="+", help="judge these repository-relative files")
-    source.add_argument("--all", action="store_true", help="judge every file of the project (registration only): git's "
+    parser.add_argument("--base-ref", help="judge the files changed since the merge base with this ref; 'auto': with "
+                        f"{' or '.join(UPSTREAM_REFS)}, else HEAD~1, else (no history) registration only")
+    parser.add_argument("--files", nargs="+", help="judge these repository-relative files")
+    parser.add_argument("--all", action="store_true", help="judge every file of the project (registration): git's "
                         "tracked files, or the folder's own where it is not a git checkout of its own")
     parser.add_argument("--labels", nargs="*", default=[], help="labels of the change (e.g. determinism-exempt)")
     parser.add_argument("--root", default=None, help="repository root (default: this file's repository)")
     parser.add_argument("--manifest", default=None, help="manifest path (default: ROOT/manifest.py)")
+    return parser
+
+
+def _select(root: Path, manifest: ModuleType, args: argparse.Namespace) -> tuple[list[str], str, Optional[list[str]]]:
+    """The files whose registration is judged, where they came from, and the files the change rule judges (or None).
+
+    Raises:
+        RuntimeError: git failed, or an explicit ``--base-ref`` needs a checkout of the project's own.
+    """
+    if args.files:
+        return list(args.files), "given", list(args.files)
+    changed: Optional[list[str]] = None
+    if args.base_ref == "auto":
+        base, how = auto_base(root)
+        if base is None:
+            print(f"determinism change rule not run: {how}; registration of every file judged instead")
+        else:
+            changed = _git(root, "diff", "--name-only", "--diff-filter=ACMR", base)
+            print(f"determinism change rule: compared with {base[:12]} ({how}); {change_summary(manifest, changed)}")
+    elif args.base_ref:
+        reason = not_own_checkout(root)
+        if reason is not None:
+            raise RuntimeError(f"--base-ref {args.base_ref} needs the project's own git checkout: {reason}")
+        changed = changed_files(root, args.base_ref)
+        print(f"determinism change rule: compared with the merge base with {args.base_ref}; "
+              f"{change_summary(manifest, changed)}")
+    if args.all or changed is None:
+        files, listed_by = project_files(root)
+        return files, listed_by, changed
+    return changed, "git diff", changed
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point; returns the exit code."""
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return 2 if exit_.code else 0
+    if bool(args.files) == bool(args.all or args.base_ref):
+        print("error: give --files, or --all and/or --base-ref", file=sys.stderr)
+        return 2
     root = Path(args.root or Path(__file__).resolve().parent.parent).resolve()
     manifest_path = Path(args.manifest) if args.manifest else root / "manifest.py"
     if not manifest_path.is_file():
@@ -166,18 +315,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     manifest = load_manifest(manifest_path)
     labels = [label for value in args.labels for label in value.split(",") if label]
-    listed_by = "given"
     try:
-        if args.base_ref:
-            files, listed_by = changed_files(root, args.base_ref), "git diff"
-        elif args.all:
-            files, listed_by = project_files(root)
-        else:
-            files = list(args.files)
+        files, listed_by, changed = _select(root, manifest, args)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    violations, warnings = check(root, manifest, files, labels, require_test_update=not args.all)
+    violations, warnings = check(root, manifest, files, labels, changed)
     for warning in warnings:
         print(f"warning: {warning}")
     for violation in violations:
