@@ -174,18 +174,32 @@ def gpu_job_lock(gpus: int, alone: bool = False, lock_path: Path = LOCK_PATH, ma
     slots = job_slots() if slots is None else slots
     shared = gpus == 1 and slots > 1 and not alone
     asked = time.monotonic()
-    with open(lock_path, "a+") as lock:
+    # The gate beside the lock: a job that runs alone takes it while it waits, and one-rank jobs pass through it on
+    # their way in, so none starts past a waiting job (which would otherwise wait as long as one-rank jobs keep coming).
+    with open(lock_path, "a+") as lock, open(Path(lock_path).with_suffix(".gate"), "a+") as gate:
+        gate_held = False
 
         def attempt() -> IO[str] | None:
             """The file this job writes its name into, once it holds the lock (and a slot), else None."""
-            if not _try_lock(lock, shared):
-                return None
+            nonlocal gate_held
             if not shared:
+                gate_held = gate_held or _try_lock(gate)
+                if not (gate_held and _try_lock(lock)):
+                    return None
+                fcntl.flock(gate, fcntl.LOCK_UN)  # in: the next job to run alone may queue
+                gate_held = False
                 return lock
-            slot = _take_slot(Path(lock_path), slots)
-            if slot is None:
-                fcntl.flock(lock, fcntl.LOCK_UN)  # all slots taken: let a job of several GPUs queue meanwhile
-            return slot
+            if not _try_lock(gate, shared=True):
+                return None
+            try:
+                if not _try_lock(lock, shared=True):
+                    return None
+                slot = _take_slot(Path(lock_path), slots)
+                if slot is None:
+                    fcntl.flock(lock, fcntl.LOCK_UN)  # all slots taken: a job that runs alone may queue meanwhile
+                return slot
+            finally:
+                fcntl.flock(gate, fcntl.LOCK_UN)
 
         mine = attempt()
         if mine is None:

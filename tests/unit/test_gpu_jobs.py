@@ -93,6 +93,29 @@ def test_a_job_alone_or_of_several_gpus_shares_with_no_one_gpu_job(tmp_path) -> 
         assert len(others) == 4 and all(e <= start or s >= end for s, e, _ in others), (lonely, spans)
 
 
+def test_a_job_waiting_to_run_alone_goes_before_one_gpu_jobs_that_come_after_it(tmp_path) -> None:
+    """One-GPU jobs that arrive while a job waits to run alone wait for it; those running when it came finish first."""
+    lock, spans = tmp_path / "gpu.lock", {}
+
+    def job(name: str, delay: float, hold: float, **arguments) -> None:
+        time.sleep(delay)
+        with gpu_job_lock(lock_path=lock, slots=4, **arguments):
+            start = time.monotonic()
+            time.sleep(hold)
+            spans[name] = (start, time.monotonic())
+
+    threads = [threading.Thread(target=job, args=("running", 0.0, 0.8), kwargs={"gpus": 1}),
+               threading.Thread(target=job, args=("alone", 0.2, 0.3), kwargs={"gpus": 1, "alone": True}),
+               *(threading.Thread(target=job, args=(f"later{i}", 0.4 + 0.1 * i, 0.2), kwargs={"gpus": 1})
+                 for i in range(3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert spans["alone"][0] >= spans["running"][1], spans  # the running job finished first
+    assert all(spans[f"later{i}"][0] >= spans["alone"][1] for i in range(3)), spans  # the later ones waited
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
 def test_a_bad_slot_count_names_the_variable(monkeypatch, value: str) -> None:
     monkeypatch.setenv(SLOTS_VARIABLE, value)
