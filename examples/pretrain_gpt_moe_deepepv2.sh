@@ -44,7 +44,6 @@ MEGATRON_LM=${1:?usage: $0 /path/to/Megatron-LM [NUM_GPUS] [extra args...]}
 NUM_GPUS=${2:-1}
 shift $(( $# >= 2 ? 2 : 1 ))
 
-export EP_DISABLE_GIN=${EP_DISABLE_GIN:-1}            # single node without an RDMA NIC
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 RUNNER=${RUNNER:--m megatron_deepepv2.cli.run}

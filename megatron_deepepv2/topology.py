@@ -13,23 +13,33 @@ whose NVLink domains NCCL would cut smaller than a node's share of the group (no
 group's ranks, or a node's ranks not consecutive in the group) is refused rather than given a mode, since either mode
 would send traffic between GPUs of one node over RDMA; an explicit ``allow_hybrid_mode`` still builds it.
 
+DeepEP 2.1's buffer reaches ranks on other nodes through NCCL GIN, which needs an RDMA NIC; on a node without one its
+constructor asserts "NCCL GIN is unavailable" unless ``EP_DISABLE_GIN=1``, which it reads when a buffer is built. So
+that variable is decided from the hardware too (:func:`decide_gin`): a value the user set is kept; a node with an RDMA
+NIC leaves it unset (GIN on); a node without one gets ``EP_DISABLE_GIN=1`` when its group stays on one node, and an
+error naming the fix when the group spans nodes, which GIN off cannot serve.
+
 This module owns: a process's node identity (:func:`local_node_id`), the one gather of a group's identities, cached
 per group (:func:`group_node_ids`), the layout and decision as pure functions of the identities (:func:`node_layout`,
-:class:`NodeLayout`), and the choice a buffer build makes (:func:`choose_hybrid_mode`).
+:class:`NodeLayout`), the choice a buffer build makes (:func:`choose_hybrid_mode`), this node's RDMA devices
+(:func:`find_rdma_devices`), the nodes a launch spans (:func:`launch_num_nodes`) and the GIN decision
+(:func:`decide_gin`; :func:`set_gin_variable` applies it, :func:`set_gin_variable_for_group` for a buffer build).
 """
 
 from __future__ import annotations
 
+import glob
+import logging
 import math
 import os
 import socket
 from dataclasses import dataclass
 from functools import reduce
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, MutableMapping, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_deepepv2.groups import state_of
+from megatron_deepepv2.groups import known_groups, state_of
 
 #: Environment variable naming this process's NVLink domain, for clusters where hostnames do not (several hosts of one
 #: multi-node NVLink domain, or one host seen under several names). Read directly, not as a setting of
@@ -40,6 +50,15 @@ NCCL_HOST_ID_VARIABLE = "NCCL_HOSTID"
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 #: Group ranks shown in an error message's node map before it is cut short.
 _MAX_RANKS_SHOWN = 32
+#: DeepEP's switch: 1 builds its buffers without NCCL GIN (read when a buffer is built, by every rank).
+GIN_VARIABLE = "EP_DISABLE_GIN"
+#: Where Linux lists this node's RDMA devices (InfiniBand and RoCE NICs alike).
+RDMA_DEVICE_DIR = "/sys/class/infiniband"
+
+logger = logging.getLogger(__name__)
+#: The environments in which :func:`set_gin_variable` set :data:`GIN_VARIABLE` itself (its value there is not the
+#: user's, and is decided again for each group).
+_gin_set_in: list[MutableMapping[str, str]] = []
 
 
 def local_node_id(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -235,3 +254,158 @@ def choose_hybrid_mode(group: dist.ProcessGroup, override: Optional[bool]) -> tu
         return bool(override), f"allow_hybrid_mode={bool(override)} set"
     layout = node_layout(group_node_ids(group))
     return layout.allow_hybrid_mode, layout.describe()
+
+
+def find_rdma_devices() -> list[str]:
+    """This node's RDMA devices (``/sys/class/infiniband/*``), which NCCL GIN needs; empty without an RDMA NIC.
+
+    Returns:
+        The devices' paths, sorted.
+    """
+    return sorted(glob.glob(os.path.join(RDMA_DEVICE_DIR, "*")))
+
+
+def launch_num_nodes(environ: Optional[Mapping[str, str]] = None) -> int:
+    """The nodes this launch spans, from the launcher's environment, without a collective.
+
+    Args:
+        environ: Mapping to read instead of ``os.environ``.
+
+    Returns:
+        torchrun's ``GROUP_WORLD_SIZE`` (its nodes) when set; else ``WORLD_SIZE`` over ``LOCAL_WORLD_SIZE``, rounded
+        up, when both are set; else 1 (one process, or a launcher that says nothing about nodes).
+    """
+    environ = os.environ if environ is None else environ
+
+    def positive(name: str) -> Optional[int]:
+        value = environ.get(name, "").strip()
+        return int(value) if value.isdigit() and int(value) > 0 else None
+
+    nodes, world, local = positive("GROUP_WORLD_SIZE"), positive("WORLD_SIZE"), positive("LOCAL_WORLD_SIZE")
+    if nodes is not None:
+        return nodes
+    return -(-world // local) if world is not None and local is not None else 1
+
+
+@dataclass(frozen=True)
+class GinDecision:
+    """Whether DeepEP builds its buffers with NCCL GIN on this node, and why.
+
+    Attributes:
+        value: :data:`GIN_VARIABLE`'s value to build with: the user's, ``"1"`` when decided here, None for unset
+            (GIN on).
+        automatic: Whether the value was decided here (no RDMA NIC) rather than set by the user.
+        reason: The decision in words, for a log line or the doctor's report.
+    """
+
+    value: Optional[str]
+    automatic: bool
+    reason: str
+
+    @property
+    def gin_on(self) -> bool:
+        """Whether DeepEP will use GIN: the variable unset or not 1 (DeepEP reads it as an integer)."""
+        return self.value is None or self.value.strip() in ("", "0")
+
+
+def _user_value(environ: Mapping[str, str]) -> Optional[str]:
+    """:data:`GIN_VARIABLE` as the user set it in ``environ``; None when unset or set by :func:`set_gin_variable`."""
+    value = environ.get(GIN_VARIABLE)
+    if value == "1" and any(environ is decided for decided in _gin_set_in):
+        return None
+    return value
+
+
+def decide_gin(num_nodes: int, environ: Optional[Mapping[str, str]] = None,
+               rdma_devices: Optional[Callable[[], Sequence[str]]] = None) -> GinDecision:
+    """Decides DeepEP's :data:`GIN_VARIABLE` from the hardware: the one rule the library and the tools share.
+
+    A value the user set (either one) is kept. Else a node with an RDMA NIC leaves it unset (GIN on); a node without
+    one gets ``1`` (GIN off) when the ranks sharing a buffer are all on one node, and an error when they span nodes,
+    which GIN off cannot serve. Changes nothing: :func:`set_gin_variable` applies the decision.
+
+    Args:
+        num_nodes: The nodes the ranks sharing DeepEP's buffer span (a group's :attr:`NodeLayout.num_nodes`, or
+            :func:`launch_num_nodes` where no group is known).
+        environ: Mapping to read instead of ``os.environ``.
+        rdma_devices: The RDMA probe (default: :func:`find_rdma_devices`).
+
+    Returns:
+        The decision.
+
+    Raises:
+        RuntimeError: If this node has no RDMA NIC, the ranks span more than one node and the user did not set the
+            variable.
+    """
+    environ = os.environ if environ is None else environ
+    user_value = _user_value(environ)
+    if user_value is not None:
+        return GinDecision(user_value, False, f"{GIN_VARIABLE}={user_value} set in the environment, kept")
+    devices = (rdma_devices or find_rdma_devices)()
+    if devices:
+        names = ", ".join(os.path.basename(device) for device in devices)
+        return GinDecision(None, False, f"RDMA devices: {names}; GIN on ({GIN_VARIABLE} unset)")
+    if num_nodes > 1:
+        raise RuntimeError(
+            f"DeepEP's ranks span {num_nodes} nodes, but this node has no RDMA NIC ({RDMA_DEVICE_DIR} is missing or "
+            "empty): DeepEP 2.1 reaches ranks on other nodes through NCCL GIN, which needs RDMA, and "
+            f"{GIN_VARIABLE}=1 (GIN off) would leave them unreachable. To fix, run on nodes with RDMA NICs "
+            f"(InfiniBand or RoCE, listed under {RDMA_DEVICE_DIR}), or keep each expert-parallel group within one "
+            f"node (an expert-parallel size of at most the GPUs of a node); set {GIN_VARIABLE} yourself to skip "
+            "this check.")
+    return GinDecision("1", True, f"no RDMA NIC ({RDMA_DEVICE_DIR} is missing or empty): GIN off, {GIN_VARIABLE}=1 "
+                                  f"set automatically before DeepEP builds a buffer (set {GIN_VARIABLE} to override)")
+
+
+def set_gin_variable(num_nodes: int, environ: Optional[MutableMapping[str, str]] = None,
+                     rdma_devices: Optional[Callable[[], Sequence[str]]] = None,
+                     log: Optional[logging.Logger] = None) -> GinDecision:
+    """Applies :func:`decide_gin`: sets ``EP_DISABLE_GIN=1`` where the decision says so, before DeepEP reads it.
+
+    Logs one INFO line when it sets the variable (not when it finds it set already).
+
+    Args:
+        num_nodes: As for :func:`decide_gin`.
+        environ: The environment to change (default: ``os.environ``, which DeepEP and child processes read).
+        rdma_devices: As for :func:`decide_gin`.
+        log: The logger of the INFO line (default: this module's).
+
+    Returns:
+        The decision.
+
+    Raises:
+        RuntimeError: As :func:`decide_gin`.
+    """
+    environ = os.environ if environ is None else environ
+    decision = decide_gin(num_nodes, environ, rdma_devices)
+    if decision.automatic and environ.get(GIN_VARIABLE) != decision.value:
+        environ[GIN_VARIABLE] = decision.value
+        if not any(environ is decided for decided in _gin_set_in):
+            _gin_set_in.append(environ)
+        (log or logger).info("No RDMA NIC on this node (%s is missing or empty): set %s=1, so DeepEP builds its "
+                             "buffers without NCCL GIN (NVLink within one node). Set %s yourself to override.",
+                             RDMA_DEVICE_DIR, GIN_VARIABLE, GIN_VARIABLE)
+    return decision
+
+
+def set_gin_variable_for_group(group: dist.ProcessGroup, environ: Optional[MutableMapping[str, str]] = None,
+                               rdma_devices: Optional[Callable[[], Sequence[str]]] = None) -> GinDecision:
+    """:func:`set_gin_variable` for a buffer on ``group``, before DeepEP builds it; no collective.
+
+    The nodes are the group's layout when its node identities were gathered already (:func:`choose_hybrid_mode`
+    gathers them unless ``allow_hybrid_mode`` is set), else those of the launch (:func:`launch_num_nodes`).
+
+    Args:
+        group: The expert-parallel group.
+        environ: As for :func:`set_gin_variable`.
+        rdma_devices: As for :func:`decide_gin`.
+
+    Returns:
+        The decision.
+
+    Raises:
+        RuntimeError: As :func:`decide_gin`: no RDMA NIC here and the group (or the launch) spans nodes.
+    """
+    node_ids = state_of(group).node_ids if group in known_groups() else None
+    num_nodes = NodeLayout(node_ids).num_nodes if node_ids else launch_num_nodes(environ)
+    return set_gin_variable(num_nodes, environ, rdma_devices)

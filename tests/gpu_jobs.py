@@ -90,9 +90,11 @@ def _timeout_paused() -> Iterator[None]:
 
 
 def gpu_job_env() -> dict[str, str]:
-    """The environment of a GPU job: this process's, with the package on PYTHONPATH and single-node DeepEP."""
+    """The environment of a GPU job: this process's, with the package on PYTHONPATH.
+
+    ``EP_DISABLE_GIN`` is left as it is: the library decides it from the hardware, as for a user.
+    """
     env = {k: v for k, v in os.environ.items() if k not in CPU_TEST_SETTINGS}
-    env.setdefault("EP_DISABLE_GIN", "1")  # single node without RDMA; harmless with NVLink only
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return env

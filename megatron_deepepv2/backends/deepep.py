@@ -23,7 +23,7 @@ from megatron_deepepv2.deepep_lines import (deepep_unavailable_reason, ensure_nc
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
 from megatron_deepepv2.receive_order import order_received
 from megatron_deepepv2.sizing import buffer_size_arguments
-from megatron_deepepv2.topology import choose_hybrid_mode
+from megatron_deepepv2.topology import choose_hybrid_mode, set_gin_variable_for_group
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class DeepEPBackend(DispatchBackend):
         self._call_kwargs: dict[tuple, dict[str, Any]] = {}  # see _kwargs
         ensure_nccl_communicator(group)  # before DeepEP reads it
         allow_hybrid, why = choose_hybrid_mode(group, spec.settings.allow_hybrid_mode)
+        set_gin_variable_for_group(group)  # DeepEP reads EP_DISABLE_GIN when the buffer is built: decided before
         buffer_class = getattr(deep_ep, self.line.buffer_class)
         # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
         self.buffer = buffer_class(

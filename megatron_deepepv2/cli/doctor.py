@@ -6,14 +6,14 @@ CUDA and the SM architecture; ``deep_ep`` importable and which line it is (2.1 `
 2.30.4 / 2.32.3, and exactly one ``libnccl`` mapped); ``deep_ep._C`` linking libstdc++ dynamically (a static copy
 crashes inside ``std::regex`` at the first dispatch); ``nvcc`` (V2.5's JIT needs >= 13.1) against the driver's CUDA
 version (a newer nvcc's cubins load on an older driver, its PTX does not) and a writable JIT cache; NVLink, and
-whether ``EP_DISABLE_GIN=1`` is needed (no RDMA NIC); the NVLink-multicast guard variables; the torchrun
-environment.
+NCCL GIN as the library decides it from the hardware (:func:`megatron_deepepv2.topology.decide_gin`: off through
+``EP_DISABLE_GIN=1`` on a node without an RDMA NIC); the NVLink-multicast guard variables; the torchrun environment.
 
 Exit status: 1 when a blocking problem (``fail``) was found, else 0. Every probe of the system goes through
 :class:`Probes`, so tests inject facts instead of needing a GPU.
 
-The launchers (``python -m megatron_deepepv2.cli.run``, the demo) ask the same RDMA probe through
-:func:`disable_gin_without_rdma`, which sets ``EP_DISABLE_GIN=1`` on a node without an RDMA NIC.
+The launchers (``python -m megatron_deepepv2.cli.run``, the demo) apply the same decision before the training code
+runs, through :func:`disable_gin_without_rdma`, so that the processes it starts inherit the variable.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping, Optional
 
 from megatron_deepepv2.deepep_lines import DEEPEP_2_1, LINES, DeepEPLine, Version, parse_version, version_text
+from megatron_deepepv2.topology import GIN_VARIABLE, decide_gin, find_rdma_devices, launch_num_nodes, set_gin_variable
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 MULTICAST_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-#: DeepEP's switch: 1 builds its buffers without NCCL GIN (read when a buffer is built, by every rank).
-GIN_VARIABLE = "EP_DISABLE_GIN"
 
 logger = logging.getLogger(__name__)
 
@@ -193,19 +192,14 @@ def _default_driver_cuda() -> Optional[Version]:
     return code.value // 1000, (code.value % 1000) // 10
 
 
-def find_rdma_devices() -> list[str]:
-    """This node's RDMA devices (``/sys/class/infiniband/*``), which NCCL GIN needs; empty without an RDMA NIC."""
-    return sorted(glob.glob("/sys/class/infiniband/*"))
-
-
 def disable_gin_without_rdma(environ: Optional[MutableMapping[str, str]] = None,
                              rdma_devices: Optional[Callable[[], list[str]]] = None) -> bool:
-    """Sets ``EP_DISABLE_GIN=1`` on a node without an RDMA NIC, unless the variable is set already.
+    """Sets ``EP_DISABLE_GIN=1`` on a node without an RDMA NIC, unless the variable is set already: the library's
+    decision (:func:`megatron_deepepv2.topology.set_gin_variable`), applied by a launcher for the processes it starts.
 
-    DeepEP's buffer constructor asserts "NCCL GIN is unavailable" on such a node unless the variable is 1; it reads
-    the variable when a buffer is built, so a launcher calls this before it runs the training code, and the processes
-    that code starts inherit the value. A value the user set (either one) is left as it is, and so is a node with an
-    RDMA NIC. Logs one INFO line when it sets the variable.
+    A launch that spans several nodes is left to the library, which decides per expert-parallel group when it builds
+    DeepEP's buffer (a group within one node needs no GIN; one across nodes without RDMA is refused with the fix).
+    Logs one INFO line when it sets the variable.
 
     Args:
         environ: The environment to change (default: ``os.environ``, which child processes inherit).
@@ -215,14 +209,11 @@ def disable_gin_without_rdma(environ: Optional[MutableMapping[str, str]] = None,
         True when it set the variable.
     """
     environ = os.environ if environ is None else environ
-    if GIN_VARIABLE in environ:
+    if launch_num_nodes(environ) > 1:
         return False
-    if (rdma_devices or find_rdma_devices)():
-        return False
-    environ[GIN_VARIABLE] = "1"
-    logger.info("No RDMA NIC on this node: set %s=1, so DeepEP builds its buffers without NCCL GIN (one node, "
-                "NVLink). Set %s yourself to choose otherwise.", GIN_VARIABLE, GIN_VARIABLE)
-    return True
+    had = environ.get(GIN_VARIABLE)
+    decision = set_gin_variable(1, environ, rdma_devices or find_rdma_devices, log=logger)
+    return decision.automatic and had is None
 
 
 def _writable_dir(path: str) -> bool:
@@ -315,6 +306,22 @@ def _check_nvcc(p: Probes, line: DeepEPLine, add: Callable[[Finding], None]) -> 
                     f">= {version_text(version)}."))
 
 
+def _check_gin(p: Probes, add: Callable[[Finding], None]) -> None:
+    """NCCL GIN as the library will decide it when it builds DeepEP's buffer (:func:`decide_gin`), for this launch."""
+    rdma = p.rdma_devices()
+    try:
+        decision = decide_gin(launch_num_nodes(p.env), p.env, lambda: rdma)
+    except RuntimeError as error:  # the launch spans nodes: only a group across them needs GIN
+        add(Finding("gin", WARN, "no RDMA NIC on a launch across nodes: an expert-parallel group that spans nodes "
+                    "cannot be built", str(error)))
+        return
+    if not rdma and decision.gin_on:
+        add(Finding("gin", FAIL, f"no RDMA NIC, but {decision.reason} (GIN on): ElasticBuffer asserts 'NCCL GIN is "
+                    "unavailable'", f"Unset {GIN_VARIABLE} (it is decided from the hardware) or set it to 1."))
+        return
+    add(Finding("gin", OK, decision.reason))
+
+
 def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     """Runs every check.
 
@@ -389,15 +396,7 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     add(Finding("nvlink", OK if nvlink else (SKIP if nvlink is None else WARN),
                 {True: "NVLink between GPUs", False: "no NVLink between GPUs", None: "nvidia-smi unavailable"}[nvlink],
                 "" if nvlink else "DeepEP's intranode path expects NVLink; PCIe-only GPUs are not supported."))
-    rdma = p.rdma_devices()
-    gin_disabled = env.get(GIN_VARIABLE) == "1"
-    if rdma:
-        add(Finding("gin", OK, f"RDMA devices: {', '.join(os.path.basename(d) for d in rdma)}"))
-    else:
-        add(Finding("gin", OK if gin_disabled else FAIL,
-                    "no RDMA NIC; EP_DISABLE_GIN=" + env.get("EP_DISABLE_GIN", "<unset>"),
-                    "" if gin_disabled else "Single node without RDMA: set EP_DISABLE_GIN=1 (else ElasticBuffer "
-                    "asserts 'NCCL GIN is unavailable')."))
+    _check_gin(p, add)
 
     unset = [f"{k}={v}" for k, v in MULTICAST_GUARDS.items() if env.get(k) != v]
     add(Finding("multicast-guard", OK if not unset else WARN,

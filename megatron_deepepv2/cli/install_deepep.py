@@ -21,8 +21,10 @@ an earlier run already did it with the same inputs (state in ``--work-dir``):
    on the built ``deep_ep/_C*.so``. A ``deep_ep`` this installer did not install (DeepEP v1 and HybridEP install a
    module of that name too) is replaced only with ``--replace-deep-ep``.
 7. ``verify``: a fresh Python imports torch and ``deep_ep``: exactly one ``libnccl`` mapped, the expected one, and
-   the line's buffer class present.
-8. ``doctor``: the doctor's report; its exit status is the installer's.
+   the line's buffer class present; and NCCL GIN as the library will decide it on this node
+   (:func:`megatron_deepepv2.topology.decide_gin`: off through ``EP_DISABLE_GIN=1`` without an RDMA NIC, unless set).
+8. ``doctor``: the doctor's report; its exit status is the installer's. Its ``gin`` check makes the same decision, so
+   a node without an RDMA NIC passes it without ``EP_DISABLE_GIN`` set.
 
 A build depends on the tree's contents, the GPU architecture, the compiler and the NCCL (not on where the tree lies).
 
@@ -70,6 +72,7 @@ from megatron_deepepv2.deepep_lines import (
     version_text,
 )
 from megatron_deepepv2.cli.doctor import elf_needed_libraries, find_nvcc, links_libstdcxx_dynamically, nvcc_version
+from megatron_deepepv2.topology import decide_gin, find_rdma_devices
 
 logger = logging.getLogger("megatron_deepepv2.cli.install_deepep")
 
@@ -212,6 +215,7 @@ class System:
         which: Locates an executable.
         site_packages: This environment's site-packages.
         prefix: This environment's ``sys.prefix`` (where a wheel's data files go).
+        rdma_devices: This node's RDMA devices (empty without an RDMA NIC).
     """
 
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
@@ -227,6 +231,7 @@ class System:
     which: Callable[[str], Optional[str]] = shutil.which
     site_packages: Callable[[], str] = lambda: sysconfig.get_paths()["purelib"]
     prefix: str = sys.prefix
+    rdma_devices: Callable[[], list[str]] = find_rdma_devices
 
 
 def nccl_source_version(path: str) -> Version:
@@ -936,8 +941,9 @@ class Installer:
         if len(mapped) != 1:
             raise InstallError("verify", f"{len(mapped)} NCCL libraries are mapped ({', '.join(mapped)}); exactly one may "
                                "be (DeepEP asserts it): drop LD_PRELOAD / LD_LIBRARY_PATH entries of other NCCLs")
+        gin = decide_gin(1, self.system.env, self.system.rdma_devices)  # one node: the installer's
         return (f"deep_ep {probe.get('deep_ep')} imports with {buffer}; NCCL {version_text(tuple(probe.get('nccl') or ()))} "
-                f"at {mapped[0]}")
+                f"at {mapped[0]}; GIN: {gin.reason}")
 
     def _step_doctor(self) -> Any:
         if self.options.dry_run or not self.options.run_doctor:

@@ -68,7 +68,7 @@ def test_healthy_machine_has_no_blocking_problem(capsys: pytest.CaptureFixture) 
         ({"cuda": lambda: {"available": False}}, "cuda", "MEGATRON_DEEPEPV2_BACKEND=reference"),
         ({"nvcc_path": lambda env: None}, "nvcc", "CUDA_HOME"),
         ({"writable_dir": lambda path: False}, "jit-cache", "EP_JIT_CACHE_DIR"),
-        ({"env": {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}}, "gin", "EP_DISABLE_GIN=1"),
+        ({"env": {**HEALTHY_ENV, "EP_DISABLE_GIN": "0"}}, "gin", "Unset EP_DISABLE_GIN"),  # GIN forced on, no NIC
         ({"versions": lambda: {"python": "3.11.7", "torch": "2.11.0", "megatron-core": "0.19.2"}}, "python", "3.12"),
         ({"versions": lambda: {"python": "3.12.1", "torch": "2.9.1", "megatron-core": "0.19.2"}}, "torch", "2.10"),
         ({"versions": lambda: {"python": "3.12.1", "torch": "2.11.0", "megatron-core": "0.16.1"}}, "megatron-core", ">= 0.17"),
@@ -111,6 +111,25 @@ def test_rdma_nic_makes_gin_fine_without_the_variable() -> None:
     env = {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}
     findings = run_checks(healthy(env=env, rdma_devices=lambda: ["/sys/class/infiniband/mlx5_0"]))
     assert status(findings, "gin") == OK
+
+
+def test_gin_check_passes_without_an_rdma_nic_and_without_the_variable(capsys: pytest.CaptureFixture) -> None:
+    """A single node without RDMA, EP_DISABLE_GIN unset (the README's install as written): GIN off, decided as the
+    library decides it when it builds DeepEP's buffer, and no blocking problem."""
+    env = {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}
+    probes = healthy(env=env, rdma_devices=lambda: [])
+    gin = next(f for f in run_checks(probes) if f.check == "gin")
+    assert gin.status == OK and "no RDMA NIC" in gin.detail and "GIN off" in gin.detail, gin
+    assert "EP_DISABLE_GIN" not in probes.env  # the doctor reports; it changes no environment
+    assert main([], probes=probes) == 0
+    assert "No blocking problems." in capsys.readouterr().out
+
+
+def test_gin_check_on_a_launch_across_nodes_without_an_rdma_nic_warns_with_the_fix() -> None:
+    env = {k: v for k, v in HEALTHY_ENV.items() if k != "EP_DISABLE_GIN"}
+    findings = run_checks(healthy(env={**env, "GROUP_WORLD_SIZE": "2"}, rdma_devices=lambda: []))
+    gin = next(f for f in findings if f.check == "gin")
+    assert gin.status == "warn" and "no RDMA NIC" in gin.fix and "To fix" in gin.fix, gin
 
 
 def test_json_output(capsys: pytest.CaptureFixture) -> None:
@@ -184,3 +203,11 @@ def test_the_launchers_and_the_doctor_ask_one_rdma_probe(monkeypatch: pytest.Mon
     assert disable_gin_without_rdma(env) is False and env == {}
     monkeypatch.setattr(doctor, "find_rdma_devices", lambda: [])
     assert disable_gin_without_rdma(env) is True and env == {"EP_DISABLE_GIN": "1"}
+
+
+def test_launchers_leave_a_launch_across_nodes_to_the_library() -> None:
+    """torchrun across two nodes without an RDMA NIC: nothing set and no error at launch; each expert-parallel group
+    is decided where its buffer is built (one within a node gets GIN off, one across nodes the error)."""
+    env = {"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert disable_gin_without_rdma(env, lambda: []) is False
+    assert "EP_DISABLE_GIN" not in env

@@ -659,3 +659,35 @@ def test_wheels_built_against_pytorchs_own_nccl_need_that_nccl_where_they_go(tmp
         assert same.installed_wheels == [manifest["deep_ep_wheel"]]
     finally:
         TORCH_NCCL = saved
+
+
+class DoctorMachine(FakeMachine):
+    """The fake machine with the real doctor at the end: a healthy GPU node's probes (:mod:`tests.unit.test_doctor`),
+    the environment the installer runs it with, and no RDMA NIC."""
+
+    def run(self, cmd: list[str], env: dict[str, str], cwd: Optional[str], log: Optional[str]) -> int:
+        if cmd[1:] == ["-m", "megatron_deepepv2.cli.doctor"]:
+            from megatron_deepepv2.cli import doctor
+            from tests.unit.test_doctor import healthy
+
+            self.commands.append(list(cmd))
+            self.envs.append(dict(env))
+            return doctor.main([], probes=healthy(env=dict(env), rdma_devices=lambda: []))
+        return super().run(cmd, env, cwd, log)
+
+
+def test_on_a_node_without_an_rdma_nic_the_install_as_written_ends_with_the_doctor_passing(
+        tmp_path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture) -> None:
+    """No EP_DISABLE_GIN anywhere: the verify step and the doctor decide GIN off from the hardware; exit status 0."""
+    machine = DoctorMachine(str(tmp_path))
+    system = machine.system()
+    system.rdma_devices = lambda: []
+    assert "EP_DISABLE_GIN" not in system.env
+    caplog.set_level("INFO", logger="megatron_deepepv2.cli.install_deepep")
+    assert Installer(options(tmp_path, nccl_src=make_nccl_tree(str(tmp_path))), system).run() == 0
+    assert machine.commands[-1] == ["/venv/bin/python", "-m", "megatron_deepepv2.cli.doctor"]
+    assert "EP_DISABLE_GIN" not in machine.envs[-1]  # the doctor ran with the environment as the user had it
+    (verify,) = [r.getMessage() for r in caplog.records if "verify: deep_ep" in r.getMessage()]
+    assert "GIN: no RDMA NIC" in verify and "GIN off" in verify, verify
+    report = capsys.readouterr().out
+    assert "No blocking problems." in report and "GIN off" in report, report

@@ -154,6 +154,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
 
     import torch
 
+    from megatron_deepepv2 import topology
     from megatron_deepepv2.backends.base import BufferSpec
     from megatron_deepepv2.backends.deepep import DeepEPBackend
     from megatron_deepepv2.config import DeepepV2Settings
@@ -161,6 +162,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
 
     # One GPU per task under srun: no LOCAL_WORLD_SIZE, one visible device (CPU ranks see none).
     os.environ.pop("LOCAL_WORLD_SIZE", None)
+    topology.find_rdma_devices = lambda: ["/sys/class/infiniband/mlx5_0"]  # nodes joined by RDMA, as hybrid needs
     torch.cuda.device_count = lambda: 1
     if nodes is not None:
         os.environ[NODE_ID_VARIABLE] = nodes[rank]
