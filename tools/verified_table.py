@@ -1,7 +1,9 @@
-"""The README's "Verified" table: each capability of the package, and whether it ran on a GPU, on CPUs only, or never.
+"""The "Verified" table: each capability of the package, and whether it ran on a GPU, on CPUs only, or never.
 
-:data:`CAPABILITIES` is the one place that says so. A capability that ran on a GPU names the JSON records of those
-runs in ``docs/``; the table's commit and date columns are read from what each JSON recorded when it was written
+:data:`CAPABILITIES` is the one place that says so. Two renderings: the table with its evidence (``docs/verified.md``,
+between the ``verified-table`` markers) and, for the README, the short names by status with a link to the table
+(between the ``verified-summary`` markers). A capability that ran on a GPU names the JSON records of those runs in
+``docs/``; the table's commit and date columns are read from what each JSON recorded when it was written
 (``tools/_bench.provenance()``'s ``git_commit`` / ``git_dirty`` / ``date``, per run or for the whole document, or the
 ``commit`` / ``date`` of a record written by hand), never typed here: a JSON that recorded no commit shows "no
 recorded commit". A capability tested on CPUs only names its tests; one never run names nothing. Adding a JSON to a
@@ -9,9 +11,10 @@ capability is one line: its path in ``jsons``.
 
 ::
 
-    python tools/verified_table.py                    # the table, as markdown
-    python tools/verified_table.py --write README.md  # replaces the block between the verified-table markers
-    python tools/verified_table.py --check README.md  # exit 1, with a diff, where the README's copy differs
+    python tools/verified_table.py                          # the table, as markdown
+    python tools/verified_table.py --write docs/verified.md  # replaces each marked block of the page
+    python tools/verified_table.py --write README.md         # (the README has the summary's markers)
+    python tools/verified_table.py --check README.md         # exit 1, with a diff, where the page's copy differs
 
 A capability naming a JSON or a test file that does not exist is an error (exit 2), not a row without evidence.
 """
@@ -29,6 +32,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START, END = "<!-- verified-table:start -->", "<!-- verified-table:end -->"
+SUMMARY_START, SUMMARY_END = "<!-- verified-summary:start -->", "<!-- verified-summary:end -->"
+#: The page with the whole table, which the summary links.
+TABLE_PAGE = "docs/verified.md"
 
 GPU, CPU, NEVER = "ran on a GPU", "CPU only", "never run"
 STATUSES = (GPU, CPU, NEVER)
@@ -53,6 +59,7 @@ class Capability:
         jsons: For :data:`GPU`: the records of the runs, paths from the repository root (at least one).
         tests: For :data:`CPU`: the test files or ``make`` targets that check it (at least one).
         note: What the status does not say (markdown), or "".
+        short: The name in the README's summary (a few words), or "" for ``name``.
     """
 
     name: str
@@ -60,6 +67,7 @@ class Capability:
     jsons: tuple[str, ...] = ()
     tests: tuple[str, ...] = ()
     note: str = ""
+    short: str = ""
 
 
 #: Every capability, in the order the README lists them. GPU rows: the JSONs of their runs; CPU rows: their tests.
@@ -67,53 +75,73 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("DeepEP 2.1.0 `ElasticBuffer` dispatch and combine in the expand layout at EP=1 (1x H200, a 1-rank NCCL "
                "group, megatron-core 0.19.2)", GPU,
                jsons=("docs/functional_h200_ep1.json", "docs/bench_hot_path_h200_ep1.json"),
-               note="every functional case against the reference backend and alltoall; no NVLink traffic"),
+               note="every functional case against the reference backend and alltoall; no NVLink traffic",
+               short="DeepEP 2.1.0 `ElasticBuffer` at EP=1"),
     Capability("no host sync, and a MoE layer's forward + backward in a CUDA graph", GPU,
-               jsons=("docs/functional_h200_ep1.json", "docs/training_rounds_gpt_moe_h200_ep1.json")),
+               jsons=("docs/functional_h200_ep1.json", "docs/training_rounds_gpt_moe_h200_ep1.json"),
+               short="no host sync, CUDA graphs"),
     Capability("determinism with host sync (`--deterministic-mode`, bit-exact replays)", GPU,
-               jsons=("docs/functional_h200_ep1.json",)),
+               jsons=("docs/functional_h200_ep1.json",),
+               short="determinism"),
     Capability("determinism without host sync, inside CUDA graphs", GPU,
-               jsons=("docs/deterministic_order_h200_ep1.json", "docs/training_deterministic_graphs_h200_ep1.json")),
+               jsons=("docs/deterministic_order_h200_ep1.json", "docs/training_deterministic_graphs_h200_ep1.json"),
+               short="determinism in CUDA graphs"),
     Capability("FP8 dispatch with BF16 gradients", GPU,
                jsons=("docs/functional_h200_ep1.json", "docs/fp8_sizing_h200_ep1.json",
-                      "docs/bench_fp8_h200_ep1.json")),
+                      "docs/bench_fp8_h200_ep1.json"),
+               short="FP8 dispatch"),
     Capability("`SyncFreeSequentialMLP` experts", GPU,
-               jsons=("docs/bench_experts.json", "docs/training_rounds_gpt_moe_h200_ep1.json")),
+               jsons=("docs/bench_experts.json", "docs/training_rounds_gpt_moe_h200_ep1.json"),
+               short="`SyncFreeSequentialMLP`"),
     Capability("Megatron-LM `pretrain_gpt.py` training at EP=1 against alltoall, and resumed from a checkpoint bit for "
                "bit", GPU,
-               jsons=("docs/training_rounds_gpt_moe_h200_ep1.json", "docs/training_rounds_qwen3_moe_router_h200_ep1.json",
-                      "docs/training_h200_ep1.json", "docs/training_resume_h200_ep1.json")),
+               jsons=("docs/training_rounds_gpt_moe_h200_ep1.json",
+                      "docs/training_rounds_qwen3_moe_router_h200_ep1.json", "docs/training_h200_ep1.json",
+                      "docs/training_resume_h200_ep1.json"),
+               short="`pretrain_gpt.py` training and resume"),
     Capability("Megatron-Core's own `TestFlexDispatcher` (core_v0.19.0) with `deepepv2` at EP=1", GPU,
                jsons=("docs/megatron_conformance_h200_ep1.json",),
                note="`make test-megatron`: DeepEP and the reference backend, with and without host sync; "
-                    "[which cases run](docs/conformance.md)"),
+                    "[which cases run](conformance.md)",
+               short="Megatron's own dispatcher tests"),
     Capability("the installer: DeepEP and NCCL built from source, and `--from-wheels`", GPU,
-               jsons=("docs/install_deepep_h200.json",)),
+               jsons=("docs/install_deepep_h200.json",),
+               short="the installer"),
     Capability("EP2 over NVLink (2x H200)", GPU, jsons=("docs/bench_T4096_H4096_E64_bf16.json",),
-               note="once, on code older than the bound-dispatcher redesign"),
+               note="once, on code older than the bound-dispatcher redesign",
+               short="EP2 over NVLink (once, older code)"),
     Capability("Transformer Engine at EP=1 (1x H100): TE layers with `TEGroupedMLP` (host sync; also through TE's op "
                "fuser), fused permute, TE's FP8 recipes against BF16, deterministic mode, TE's partial CUDA graphs and "
                "whole TE layers in CUDA graphs; against alltoall, in functional cases and `pretrain_gpt.py`; "
-               "[what runs](docs/usage.md#transformer-engine)", GPU,
+               "[what runs](usage.md#transformer-engine)", GPU,
                jsons=("docs/functional_te_h100_ep1.json", "docs/training_te_h100_ep1.json",
-                      "docs/training_te_deterministic_h100_ep1.json", "docs/megatron_conformance_te_h100_ep1.json")),
+                      "docs/training_te_deterministic_h100_ep1.json", "docs/megatron_conformance_te_h100_ep1.json"),
+               short="Transformer Engine (H100)"),
     Capability("megatron-core 0.17.1 and 0.18.2", CPU,
                tests=("make test-compat", "tests/unit/test_megatron_integration.py", "tests/unit/test_no_host_sync.py",
                       "tests/unit/test_ep_overlap.py", "tests/unit/test_run_entry_point.py", "tests/unit/test_demo.py"),
-               note="CI"),
+               note="CI",
+               short="megatron-core 0.17.1 and 0.18.2"),
     Capability("Megatron-LM `dev` with its own deepepv2 (`MEGATRON_DEEPEPV2_MANAGER`)", CPU,
-               tests=("make test-native", "tests/unit/test_native_megatron.py")),
+               tests=("make test-native", "tests/unit/test_native_megatron.py"),
+               short="Megatron-LM `dev`'s own deepepv2"),
     Capability("DeepEP V2.5 `EPBuffer`", CPU, tests=("tests/unit/test_deepep_adapter.py",),
-               note="against a stand-in written from its sources"),
+               note="against a stand-in written from its sources",
+               short="DeepEP V2.5 `EPBuffer`"),
     Capability("EP4, EP8 on one node", CPU, tests=("tests/unit/test_sizing.py", "tests/unit/test_topology.py"),
                note="buffer sizes for EP 1-64 against a model of DeepEP's arithmetic; the GPU case at node size "
-                    "has never run"),
+                    "has never run",
+               short="EP4 and EP8"),
     Capability("several nodes (DeepEP's hybrid mode)", CPU, tests=("tests/unit/test_topology.py",),
-               note="the mode from each rank's node, over gloo ranks"),
+               note="the mode from each rank's node, over gloo ranks",
+               short="several nodes"),
     Capability("Megatron's EP all-to-all overlap (combined 1F1B)", CPU, tests=("tests/unit/test_ep_overlap.py",),
-               note="needs EP > 1"),
-    Capability("NCCL GIN over RDMA", NEVER),
-    Capability("SM100 (Blackwell)", NEVER, note="built for"),
+               note="needs EP > 1",
+               short="EP overlap (combined 1F1B)"),
+    Capability("NCCL GIN over RDMA", NEVER,
+               short="NCCL GIN over RDMA"),
+    Capability("SM100 (Blackwell)", NEVER, note="built for",
+               short="SM100 (Blackwell)"),
 )
 
 
@@ -274,45 +302,82 @@ def table(capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT,
             lines.append(f"| {name} | {CPU} | {tests} | - | - |")
         else:
             lines.append(f"| {name} | {NEVER} | - | - | - |")
-    lines += ["", f"Commit and date as each JSON recorded them (\"{NO_COMMIT}\" where it recorded none; \\* marks words "
-              "written by hand beside a commit: read them in the JSON). Written by `tools/verified_table.py --write "
-              "README.md` from its list of capabilities."]
+    lines += ["", f"Commit and date as each JSON recorded them (\"{NO_COMMIT}\" where it recorded none; \\* marks "
+              "words written by hand beside a commit: read them in the JSON). Written by `tools/verified_table.py "
+              f"--write {TABLE_PAGE}` from its list of capabilities."]
     return "\n".join(lines) + "\n"
 
 
-def _split(text: str, path: str) -> tuple[str, str, str]:
-    """``text`` before the start marker (included), between the markers, and from the end marker on."""
-    start, end = text.find(START), text.find(END)
-    if start < 0 or end < start or text.count(START) != 1 or text.count(END) != 1:
-        raise VerifiedTableError(f"{path} needs exactly one {START} followed by one {END}")
-    start += len(START)
-    return text[:start], text[start:end], text[end:]
+def summary(capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT,
+            page_dir: Optional[str] = None) -> str:
+    """The README's summary: the short names of ``capabilities`` by status, and a link to the whole table.
+
+    Raises:
+        VerifiedTableError: A capability's evidence is missing or does not fit its status.
+    """
+    page_dir = page_dir or root
+    lines = []
+    for status in STATUSES:
+        names = []
+        for capability in capabilities:
+            _check(capability, root)
+            if capability.status == status:
+                names.append(capability.short or capability.name)
+        if names:
+            lines.append(f"- **{status}**: {'; '.join(names)}.")
+    link = os.path.relpath(os.path.join(root, TABLE_PAGE), page_dir)
+    lines += ["", f"Each with its evidence (the JSON of each GPU run, its commit and date; the tests of each CPU row): "
+              f"[{os.path.basename(TABLE_PAGE)}]({link}). Written by `tools/verified_table.py --write README.md`."]
+    return "\n".join(lines) + "\n"
 
 
-def block(page: str, capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT) -> str:
-    """What goes between the markers of ``page``: the table with links relative to ``page``'s folder."""
-    return "\n" + table(capabilities, root, os.path.dirname(os.path.abspath(page)))
+#: Each kind of marked block: its markers and what fills it.
+BLOCKS = ((START, END, table), (SUMMARY_START, SUMMARY_END, summary))
+
+
+def _blocks(text: str, path: str) -> list[tuple[int, int, Any]]:
+    """The marked blocks of ``text``: (where the content starts, where it ends, the function that fills it)."""
+    found = []
+    for start_marker, end_marker, render in BLOCKS:
+        if start_marker not in text and end_marker not in text:
+            continue
+        start, end = text.find(start_marker), text.find(end_marker)
+        if end < start or text.count(start_marker) != 1 or text.count(end_marker) != 1:
+            raise VerifiedTableError(f"{path} needs exactly one {start_marker} followed by one {end_marker}")
+        found.append((start + len(start_marker), end, render))
+    if not found:
+        raise VerifiedTableError(f"{path} has no {START} ... {END} or {SUMMARY_START} ... {SUMMARY_END} block")
+    return sorted(found, key=lambda block: block[0])
+
+
+def _regenerated(page: str, text: str, capabilities: Sequence[Capability], root: str) -> str:
+    """``text`` with each of its marked blocks filled anew (links relative to ``page``'s folder)."""
+    page_dir = os.path.dirname(os.path.abspath(page))
+    pieces, done = [], 0
+    for start, end, render in _blocks(text, page):
+        pieces += [text[done:start], "\n" + render(capabilities, root, page_dir)]
+        done = end
+    return "".join(pieces) + text[done:]
 
 
 def write(page: str, capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT) -> bool:
-    """Replaces the block between the markers of ``page`` with the table; True when the page changed."""
+    """Fills each marked block of ``page`` anew; True when the page changed."""
     with open(page) as f:
         text = f.read()
-    before, current, after = _split(text, page)
-    new = block(page, capabilities, root)
-    if new != current:
+    new = _regenerated(page, text, capabilities, root)
+    if new != text:
         with open(page, "w") as f:
-            f.write(before + new + after)
-    return new != current
+            f.write(new)
+    return new != text
 
 
 def diff(page: str, capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT) -> str:
-    """The unified diff from ``page``'s block to the table the capabilities make ("" when they agree)."""
+    """The unified diff from ``page`` to the page with its marked blocks filled anew ("" when they agree)."""
     with open(page) as f:
-        _, current, _ = _split(f.read(), page)
-    new = block(page, capabilities, root)
-    return "".join(difflib.unified_diff(current.splitlines(keepends=True), new.splitlines(keepends=True),
-                                        f"{page} (verified-table block)", "tools/verified_table.py"))
+        text = f.read()
+    new = _regenerated(page, text, capabilities, root)
+    return "".join(difflib.unified_diff(text.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        f"{page}", "tools/verified_table.py"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

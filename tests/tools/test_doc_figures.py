@@ -1097,15 +1097,20 @@ FIGURES: list[Figure] = [
                                                            "reference-hostsync", "reference-nohostsync")],
 
     # ---- README.md's headline, usage.md and install-deepep.md ----
-    fig("README.md", "**Eagerly** deepepv2 stepped in {:.2f}x alltoall's time (rounds {:.2f}-{:.2f})",
+    fig("README.md", "**Eagerly**: {:.1f} against {:.1f} ms a step, {:.2f}x alltoall's time (rounds {:.2f}-{:.2f})",
+        J(ROUNDS, "configurations", "deepepv2-syncfree", "median_step_ms"),
+        J(ROUNDS, "configurations", "alltoall-syncfree", "median_step_ms"),
         *median_min_max(rounds_ratios(ROUNDS, "deepepv2-syncfree", "alltoall-syncfree"))),
     # The README's headline quotes the first machine's rounds and names their JSON only through training.md.
     fig("README.md", "but {:.2f} and {:.2f} on another machine",
         *rounds_ratios(FIRST_MACHINE, "deepepv2-syncfree", "alltoall-syncfree", (1, 2)), named_in="training.md"),
-    fig("README.md", "**{:.2f}x** the time of alltoall with its own widest capture scope ({:.2f}-{:.2f}, every round). "
-                     "128 experts, `SequentialMLP`: a tie ({:.2f}, {:.2f})",
+    fig("README.md", "{:.1f} ms, **{:.2f}x** the time of alltoall with its own widest capture scope ({:.2f}-{:.2f}, "
+                     "every round), which builds no graph in a GPT layer ({:.1f} ms)",
+        J(ROUNDS, "configurations", "deepepv2-nohostsync-graphs", "median_step_ms"),
         *median_min_max(rounds_ratios(ROUNDS, "deepepv2-nohostsync-graphs", "alltoall-syncfree-graphs")),
-        *rounds_ratios(QWEN3, "deepepv2", "alltoall", (1, 2))),
+        J(ROUNDS, "configurations", "alltoall-syncfree-graphs", "median_step_ms")),
+    fig("README.md", "`SequentialMLP`: a tie ({:.2f}, {:.2f})", *rounds_ratios(QWEN3, "deepepv2", "alltoall", (1, 2)),
+        named_in="training.md"),
     fig("README.md", "3 interleaved rounds at {} on {}",
         J(ROUNDS, "provenance", "git_commit"), calc(lambda date: date[:10], J(ROUNDS, "provenance", "date"))),
     fig("usage.md", "| Megatron `SequentialMLP` | {:.2f} ms | {:.2f} ms |",

@@ -1,5 +1,6 @@
-"""``tools/verified_table.py`` on the CPU: the README's "Verified" block is what the tool generates, its commit and
-date columns come from what each JSON recorded, and evidence that is missing or does not fit a status is an error."""
+"""``tools/verified_table.py`` on the CPU: the README's summary and ``docs/verified.md``'s table are what the tool
+generates, the table's commit and date columns come from what each JSON recorded, and evidence that is missing or does
+not fit a status is an error."""
 
 from __future__ import annotations
 
@@ -16,17 +17,33 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 
-def test_the_readme_block_is_what_the_tool_generates() -> None:
-    difference = vt.diff(str(README))
-    assert not difference, f"README.md's verified table is stale; run python tools/verified_table.py --write " \
-                           f"README.md:\n{difference}"
+@pytest.mark.parametrize("page", ["README.md", vt.TABLE_PAGE])
+def test_each_page_block_is_what_the_tool_generates(page: str) -> None:
+    difference = vt.diff(str(ROOT / page))
+    assert not difference, f"{page}'s verified block is stale; run python tools/verified_table.py --write " \
+                           f"{page}:\n{difference}"
 
 
 def test_every_status_of_the_list_is_known_and_every_gpu_row_names_a_json() -> None:
     assert {c.status for c in vt.CAPABILITIES} == set(vt.STATUSES)
     assert all(c.jsons for c in vt.CAPABILITIES if c.status == vt.GPU)
-    never = {c.name for c in vt.CAPABILITIES if c.status == vt.NEVER}
-    assert any("Transformer Engine" in name for name in never), never
+    (te,) = [c for c in vt.CAPABILITIES if c.name.startswith("Transformer Engine")]
+    assert te.status == vt.GPU and "docs/functional_te_h100_ep1.json" in te.jsons, te
+
+
+def test_the_summary_lists_each_short_name_under_its_status_and_links_the_table(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("")
+    _write(tmp_path / "docs" / "a.json", {"date": "2026-12-01", "commit": "1111111"})
+    rows = [vt.Capability("a long name", vt.GPU, jsons=("docs/a.json",), short="a"),
+            vt.Capability("b long", vt.CPU, tests=("tests/t.py",), short="b"),
+            vt.Capability("c", vt.NEVER), vt.Capability("d long", vt.GPU, jsons=("docs/a.json",), short="d")]
+    text = vt.summary(rows, root=str(tmp_path))
+    assert text.splitlines()[:3] == ["- **ran on a GPU**: a; d.", "- **CPU only**: b.", "- **never run**: c."], text
+    assert "[verified.md](docs/verified.md)" in text
+    with pytest.raises(vt.VerifiedTableError, match="names the JSONs of its runs"):
+        vt.summary([vt.Capability("no evidence", vt.GPU)], root=str(tmp_path))
 
 
 def test_a_capability_naming_a_missing_json_is_an_error(tmp_path: Path) -> None:
@@ -87,6 +104,9 @@ def test_check_prints_a_diff_and_write_repairs_the_block(tmp_path: Path) -> None
     assert text.startswith(f"# title\n\n{vt.START}\n| capability |") and text.endswith(f"{vt.END}\n\nafter\n")
     assert "](../" in text  # links relative to the page's own folder
     assert subprocess.run([*tool, "--check", str(page)], capture_output=True, text=True).returncode == 0
-    page.write_text("no markers\n")
+    page.write_text(f"{vt.START}\n{vt.END}\n{vt.START}\n")
     done = subprocess.run([*tool, "--check", str(page)], capture_output=True, text=True)
     assert done.returncode == 2 and "needs exactly one" in done.stderr, done
+    page.write_text("no markers\n")
+    done = subprocess.run([*tool, "--check", str(page)], capture_output=True, text=True)
+    assert done.returncode == 2 and "has no" in done.stderr, done
