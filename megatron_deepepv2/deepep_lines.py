@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import functools
 import inspect
+import logging
 import os
 import re
 import sys
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from megatron_deepepv2.groups import collective_device
 
 Version = tuple[int, ...]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class DeepEPLine:
         dispatch_kwargs: Keyword arguments every dispatch passes on this line.
         even_num_sms: An explicit SM count is rounded up to even.
         keeps_topk_idx: The handle keeps the caller's ``topk_idx``, not a copy.
+        ran_on_gpu: Whether this package has run on a GPU with the line (else a WARNING once per process).
     """
 
     name: str
@@ -58,6 +61,7 @@ class DeepEPLine:
     dispatch_kwargs: tuple[tuple[str, Any], ...] = ()
     even_num_sms: bool = False
     keeps_topk_idx: bool = False
+    ran_on_gpu: bool = True
 
     def num_sms(self, requested: int) -> int:
         """Returns the SM count the line runs with for ``requested`` (0 = DeepEP's choice)."""
@@ -66,9 +70,39 @@ class DeepEPLine:
 
 DEEPEP_2_1 = DeepEPLine("2.1", "ElasticBuffer", (2, 30, 4), None, True)
 DEEPEP_2_5 = DeepEPLine("V2.5", "EPBuffer", (2, 32, 3), (13, 1), False, dispatch_kwargs=(("do_handle_copy", False),),
-                        even_num_sms=True, keeps_topk_idx=True)
+                        even_num_sms=True, keeps_topk_idx=True, ran_on_gpu=False)
 #: Newest first: a module exporting both buffers is taken as the newer line.
 LINES = (DEEPEP_2_5, DEEPEP_2_1)
+
+
+#: The paths a buffer build can take that have never run on a GPU with this package, each warned about once per
+#: process when taken.
+NEVER_RUN = {
+    "line": "DeepEP {line}'s {buffer_class} has never run on a GPU with megatron-deepepv2 (it is tested on CPU against "
+            "a stand-in written from its sources): compare the first steps with a run you trust (e.g. "
+            "MEGATRON_DEEPEPV2_BACKEND=reference or the alltoall dispatcher) before relying on it",
+    "hybrid": "DeepEP's hybrid mode (a group across nodes, RDMA x NVLink) has never run on a GPU with "
+              "megatron-deepepv2 (its choice is tested over gloo ranks): compare the first steps with a run you trust "
+              "before relying on it",
+}
+_warned_never_run: set[str] = set()
+
+
+def log_buffer_built(line: DeepEPLine, hybrid: bool, why: str) -> None:
+    """Logs the buffer a backend built (its line, class and mode, and why that mode) and, once per process, a WARNING
+    for each path of :data:`NEVER_RUN` the build took.
+
+    Args:
+        line: The DeepEP line of the buffer.
+        hybrid: Whether the buffer runs in hybrid mode.
+        why: Why that mode, for the log.
+    """
+    logger.info("DeepEP %s %s: %s mode (%s)", line.name, line.buffer_class, "hybrid (RDMA x NVLink)" if hybrid
+                else "direct", why)
+    for path, taken in (("line", not line.ran_on_gpu), ("hybrid", hybrid)):
+        if taken and path not in _warned_never_run:
+            _warned_never_run.add(path)
+            logger.warning(NEVER_RUN[path].format(line=line.name, buffer_class=line.buffer_class))
 
 
 def version_text(version: Optional[Version]) -> str:

@@ -42,9 +42,7 @@ class DispatchConfig:
             combine's input gradient, for a consumer that reads every row.
 
     Raises:
-        ValueError: At construction, for a field of the wrong type or out of range (a layout that names no
-            :class:`~megatron_deepepv2.layout.ExpertLayout`, an alignment that is not an integer >= 1, a flag that is
-            not a bool), and as :meth:`check`.
+        ValueError: At construction, for a field of the wrong type or out of range, and as :meth:`check`.
     """
 
     backend: type["DispatchBackend"]
@@ -55,8 +53,7 @@ class DispatchConfig:
     clear_tail: bool = True
 
     def __post_init__(self) -> None:
-        # Each field by its annotation (a layout name becomes its ExpertLayout member: the backends compare with
-        # ``is``), then what depends on several fields.
+        # Each field by its annotation (a layout name becomes its member: backends compare with ``is``), then the rest.
         check_fields(self, _how_to_set_config_field)
         self.check()
         # A configuration keys the backend's per-call argument cache on every call: hash it once.
@@ -98,12 +95,8 @@ class DispatchConfig:
 
 def _how_to_set_config_field(f: Field) -> str:
     """How a :class:`DispatchConfig` field is given, for its errors (the field's note follows it)."""
-    if f.name == "settings":
-        return "Build it with DeepepV2Settings(...), or pass settings as keywords to resolve_config() or dispatch()"
-    if f.name == "backend":
-        return ("Pass a backend class to DispatchConfig, or a backend name as backend= to resolve_config() or "
-                "dispatch()")
-    return f"Pass it to DispatchConfig, or as {f.name}= to resolve_config() or dispatch()"
+    given = {"settings": "settings as keywords", "backend": "a backend name as backend="}.get(f.name, f"{f.name}=")
+    return f"Pass it to DispatchConfig, or {given} to resolve_config() or dispatch()"
 
 
 #: What the ranks of a group agree on when they build a buffer, and what keeps buffers apart: the buffer's key

@@ -1,10 +1,7 @@
 """DeepEP v2 backend: the backend contract over ``deep_ep``'s ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1).
 
-:class:`~megatron_deepepv2.deepep_lines.DeepEPLine` holds what differs between the two lines;
-:meth:`DeepEPBackend._kwargs` is the one place a setting becomes a DeepEP call argument (the buffer's construction
-arguments: :meth:`DeepEPBackend.__init__`), and :meth:`DeepEPBackend._call` the one way a DeepEP call is made;
-deterministic mode's ordering is :mod:`megatron_deepepv2.receive_order`'s. ``deep_ep`` is imported when a backend is
-built; :meth:`DeepEPBackend.unavailable_reason` says what is missing.
+:class:`~megatron_deepepv2.deepep_lines.DeepEPLine` holds what differs between the lines; :meth:`DeepEPBackend._kwargs`
+is the one place a setting becomes a DeepEP call argument, :meth:`DeepEPBackend._call` the one way a call is made.
 """
 
 from __future__ import annotations
@@ -19,7 +16,8 @@ from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, Co
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import register_backend
 from megatron_deepepv2.deepep_lines import (deepep_unavailable_reason, ensure_nccl_communicator, fill_guard,
-                                            handle_order_unavailable_reason, import_deep_ep, line_of_module)
+                                            handle_order_unavailable_reason, import_deep_ep, line_of_module,
+                                            log_buffer_built)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
 from megatron_deepepv2.receive_order import order_received
 from megatron_deepepv2.sizing import buffer_size_arguments
@@ -61,8 +59,7 @@ class DeepEPBackend(DispatchBackend):
             group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
             deterministic=False, allow_hybrid_mode=allow_hybrid,  # deterministic mode: receive_order sorts
             allow_multiple_reduction=True, explicitly_destroy=True)  # multiple reduction: expand combine with weights
-        logger.info("DeepEP %s %s: %s mode (%s)", self.line.name, self.line.buffer_class,
-                    "hybrid (RDMA x NVLink)" if allow_hybrid else "direct", why)
+        log_buffer_built(self.line, allow_hybrid, why)
 
     @property
     def num_bytes(self) -> int:

@@ -149,12 +149,12 @@ def test_an_uneven_group_is_refused_on_every_rank() -> None:
     assert len(set(messages)) == 1 and "unequal numbers of its ranks ('n0': 3, 'n1': 1)" in messages[0], messages
 
 
-def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Optional[bool]) -> bool:
+def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Optional[bool]) -> tuple[bool, bool]:
     import os
 
     import torch
 
-    from megatron_deepepv2 import topology
+    from megatron_deepepv2 import deepep_lines, topology
     from megatron_deepepv2.backends.base import BufferSpec
     from megatron_deepepv2.backends.deepep import DeepEPBackend
     from megatron_deepepv2.config import DeepepV2Settings
@@ -169,9 +169,11 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
     use_stand_in_backend()
     spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=8,
                       settings=DeepepV2Settings(allow_hybrid_mode=setting))
+    warned: list[str] = []
+    deepep_lines.logger.warning = lambda message, *args: warned.append(message)
     backend = DeepEPBackend(group_of(), spec)
     try:
-        return backend.buffer.ctor["allow_hybrid_mode"]
+        return backend.buffer.ctor["allow_hybrid_mode"], any("hybrid mode" in message for message in warned)
     finally:
         backend.destroy()
 
@@ -184,4 +186,5 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
 ])
 def test_backend_passes_the_mode_of_the_layout_unless_set(nodes: Optional[list[str]], setting: Optional[bool],
                                                           expected: bool) -> None:
-    assert run_distributed(_backend_mode, 2, nodes, setting) == [expected, expected]
+    """The mode reaches DeepEP's constructor; hybrid mode, which has never run on a GPU, is warned about."""
+    assert run_distributed(_backend_mode, 2, nodes, setting) == [(expected, expected)] * 2
