@@ -21,7 +21,9 @@ Usage::
 exists), or against ``HEAD~1`` when there is neither or HEAD is already on it (a fresh clone of main: its last commit
 is the change). Where there is no such base -- a copy without its own ``.git``, a shallow clone without ``HEAD~1``,
 a first commit -- it says why, skips the change rule and judges the registration of every file. A diff is against
-the working tree, so uncommitted edits of tracked files count.
+the working tree, so uncommitted edits of tracked files count. A commit of the change whose message has the trailer
+``Determinism-exempt: <why>`` labels the change ``determinism-exempt`` as ``--labels`` does (a change that touches a
+kernel's file without touching what it computes: a log line, a docstring).
 
 Exit codes: 0 clean, 1 violations, 2 usage error. Standard library only.
 """
@@ -117,6 +119,21 @@ def project_files(root: Path) -> tuple[list[str], str]:
         dirs[:] = sorted(d for d in dirs if d not in NOT_SOURCE and not d.endswith(".egg-info"))
         files += [os.path.relpath(os.path.join(folder, name), root) for name in sorted(names)]
     return files, "the folder's files"
+
+
+#: The commit-message trailer that labels a change ``determinism-exempt`` (its value says why).
+EXEMPT_TRAILER = "Determinism-exempt:"
+
+
+def trailer_labels(root: Path, base: str) -> list[str]:
+    """``["determinism-exempt"]`` when a commit after ``base`` (up to HEAD) has the :data:`EXEMPT_TRAILER` trailer with
+    a reason, else ``[]``; each such trailer is printed."""
+    lines = _git(root, "log", "--format=%B", f"{base}..HEAD")
+    trailers = [line.strip() for line in lines
+                if line.strip().lower().startswith(EXEMPT_TRAILER.lower()) and line.split(":", 1)[1].strip()]
+    for trailer in trailers:
+        print(f"determinism change rule: labelled determinism-exempt by the commit trailer {trailer!r}")
+    return ["determinism-exempt"] if trailers else []
 
 
 def changed_files(root: Path, base_ref: str) -> list[str]:
@@ -218,7 +235,8 @@ def change_rule(manifest: ModuleType, changed: Sequence[str], labels: Sequence[s
         )
         (warnings if exempt else violations).append(
             message + (f" [allowed by label {manifest.EXEMPT_LABEL!r}]" if exempt else
-                       f"; update a test or label the change {manifest.EXEMPT_LABEL!r} (--labels; make test: "
+                       f"; update a test or label the change {manifest.EXEMPT_LABEL!r} (a commit trailer "
+                       f"'{EXEMPT_TRAILER} <why>', --labels; make test: "
                        f"DETERMINISM_LABELS={manifest.EXEMPT_LABEL})")
         )
     return violations, warnings
@@ -285,6 +303,7 @@ def _select(root: Path, manifest: ModuleType, args: argparse.Namespace) -> tuple
         else:
             changed = _git(root, "diff", "--name-only", "--diff-filter=ACMR", base)
             print(f"determinism change rule: compared with {base[:12]} ({how}); {change_summary(manifest, changed)}")
+            args.labels += trailer_labels(root, base)
     elif args.base_ref:
         reason = not_own_checkout(root)
         if reason is not None:
@@ -292,6 +311,7 @@ def _select(root: Path, manifest: ModuleType, args: argparse.Namespace) -> tuple
         changed = changed_files(root, args.base_ref)
         print(f"determinism change rule: compared with the merge base with {args.base_ref}; "
               f"{change_summary(manifest, changed)}")
+        args.labels += trailer_labels(root, _git(root, "merge-base", "HEAD", args.base_ref)[0])
     if args.all or changed is None:
         files, listed_by = project_files(root)
         return files, listed_by, changed
@@ -314,12 +334,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: manifest {manifest_path} not found", file=sys.stderr)
         return 2
     manifest = load_manifest(manifest_path)
-    labels = [label for value in args.labels for label in value.split(",") if label]
     try:
-        files, listed_by, changed = _select(root, manifest, args)
+        files, listed_by, changed = _select(root, manifest, args)  # adds the labels of commit trailers
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    labels = [label for value in args.labels for label in value.split(",") if label]
     violations, warnings = check(root, manifest, files, labels, changed)
     for warning in warnings:
         print(f"warning: {warning}")

@@ -50,9 +50,9 @@ def repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _commit(repo: Path) -> None:
+def _commit(repo: Path, message: str = "change") -> None:
     _git(repo, "add", "-A")
-    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "change")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", message)
 
 
 def _gate(repo: Path, *args: str) -> subprocess.CompletedProcess:
@@ -169,6 +169,20 @@ def test_auto_base_fails_a_kernel_change_without_its_test(repo: Path) -> None:
     assert "kernels changed: ops (megatron_deepepv2/ops.py); determinism tests changed: none" in done.stdout
     assert ("violation: megatron_deepepv2/ops.py changed (manifest entry 'ops') but none of its determinism tests did: "
             "tests/determinism/test_ops.py") in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("base_ref", ["auto", "main"])
+@pytest.mark.parametrize("trailer, exempt", [("Determinism-exempt: a log line, nothing it computes", True),
+                                             ("Determinism-exempt:", False),  # a trailer must say why
+                                             ("determinism-exempt is what this is not", False)])
+def test_a_commit_trailer_labels_the_change_exempt(repo: Path, base_ref: str, trailer: str, exempt: bool) -> None:
+    """A kernel edited alone passes, as a warning, when a commit of the change says why in the trailer."""
+    _edit(repo, "megatron_deepepv2/ops.py")
+    _commit(repo, f"log the build\n\n{trailer}\n")
+    done = _gate(repo, "--all", "--base-ref", base_ref)
+    assert done.returncode == (0 if exempt else 1), done.stdout
+    assert ("warning: megatron_deepepv2/ops.py changed" in done.stdout) == exempt, done.stdout
+    assert ("labelled determinism-exempt by the commit trailer" in done.stdout) == exempt, done.stdout
 
 
 def test_auto_base_passes_a_kernel_change_with_its_test(repo: Path) -> None:
