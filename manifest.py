@@ -8,9 +8,10 @@ non-deterministic-prone reductions and compiled kernels.
 
 Every entry either names determinism tests (bit-exact replay tests under ``tests/determinism``) or says why
 it is exempt. Changing a registered source without touching one of its tests fails the gate's change rule unless
-the change carries the ``determinism-exempt`` label (a commit trailer ``Determinism-exempt: <why>``); ``make test`` runs the rule against the base of the change
-(``--base-ref auto``: the merge base with the upstream main branch, else ``HEAD~1``) and, where there is no such
-history (a copy without its own ``.git``, a depth-1 clone), says so and judges registration only.
+the change carries the ``determinism-exempt`` label (a commit trailer ``Determinism-exempt: <why>``); ``make test``
+runs the rule against the base of the change (``--base-ref auto``: the merge base with the upstream main branch,
+else ``HEAD~1``) and, where there is no such history (a copy without its own ``.git``, a depth-1 clone), says so and
+judges registration only.
 """
 
 from __future__ import annotations
