@@ -17,6 +17,10 @@ The package is read as text with :mod:`ast`; nothing of it is imported, so the t
 * Floor 1 holds the modules that import no other module of the package; a module's floor is one more than the
   highest floor it imports. A cycle (a strongly connected component of more than one module) is one node for the
   floors; every edge inside it points to the same floor, an "arrow back up", and each is listed.
+* ``--rooms`` draws the same graph over the package's rooms, its top-level entries: each module at the package root
+  (the top ``__init__`` included, under the package's name) and each subpackage, whole. An arrow joins two rooms when
+  a module of one imports a module of the other (the strongest kind wins, and the module imports behind it are
+  listed); imports inside a room are no arrow. The report then counts the rooms and the modules at the root.
 
 Usage::
 
@@ -24,6 +28,7 @@ Usage::
     tools/import_graph.py --roots manager                  # manager and everything it imports
     tools/import_graph.py --modules manager,ops --json graph.json
     tools/import_graph.py --max-floors 8 --max-arrows-up 0 # a gate for CI
+    tools/import_graph.py --rooms                          # root modules and subpackages as the nodes
 
 Exit codes: 0 report written (and within the limits), 1 a ``--max-*`` limit exceeded, 2 bad input (unknown module,
 no package, a file that does not parse). Standard library only.
@@ -68,17 +73,22 @@ class Edge:
         source: The importing module, e.g. ``ops``.
         target: The imported module, e.g. ``backends.base``.
         kind: ``module``, ``lazy`` or ``type-only`` (the strongest of the imports behind it).
-        lines: Line numbers in ``source`` of the import statements behind the edge, ascending.
+        lines: Line numbers in ``source`` of the import statements behind the edge, ascending (empty between rooms).
+        via: Between rooms: the module edges behind it, as ``module -> module`` texts, sorted; empty otherwise.
     """
 
     source: str
     target: str
     kind: str
     lines: tuple[int, ...]
+    via: tuple[str, ...] = ()
 
     def as_json(self) -> dict:
-        """The edge as a JSON object: ``from``, ``to``, ``kind``, ``lines``."""
-        return {"from": self.source, "to": self.target, "kind": self.kind, "lines": list(self.lines)}
+        """The edge as a JSON object: ``from``, ``to``, ``kind``, ``lines`` (and ``via`` between rooms)."""
+        out = {"from": self.source, "to": self.target, "kind": self.kind, "lines": list(self.lines)}
+        if self.via:
+            out["via"] = list(self.via)
+        return out
 
 
 @dataclass
@@ -91,6 +101,7 @@ class ImportGraph:
         edges: Arrows (kinds ``module`` and ``lazy``), one per ordered pair of modules, sorted.
         type_only: Imports under ``if TYPE_CHECKING:`` between pairs that have no arrow, sorted.
         unresolved: Sentences naming imports of the package that reach no module (stale or misspelt).
+        rooms: Whether the nodes are rooms (:func:`room_graph`): ``modules`` then maps a room to its file or folder.
     """
 
     top: str
@@ -98,6 +109,7 @@ class ImportGraph:
     edges: list[Edge]
     type_only: list[Edge]
     unresolved: list[str] = field(default_factory=list)
+    rooms: bool = False
 
     def successors(self) -> dict[str, set[str]]:
         """Module name to the set of modules it imports through an arrow (every module is a key)."""
@@ -315,6 +327,57 @@ def build_graph(package_dir: Path) -> ImportGraph:
     return ImportGraph(top=top, modules=modules, edges=edges, type_only=type_only, unresolved=unresolved)
 
 
+def room_of(module: str, top: str) -> str:
+    """The room of a module: the top-level entry of the package it belongs to (``backends.base`` is in ``backends``;
+    ``ops`` and the top ``__init__``, named ``top``, are rooms of their own)."""
+    return module if module == top else module.split(".", 1)[0]
+
+
+def root_modules(graph: ImportGraph) -> list[str]:
+    """The nodes that are files at the package root (the top ``__init__`` included), sorted: of a module graph or of
+    a room graph alike."""
+    root = graph.modules[graph.top].parent
+    return sorted(name for name, path in graph.modules.items() if path.parent == root and path.suffix == ".py")
+
+
+def room_graph(graph: ImportGraph) -> ImportGraph:
+    """The graph over the package's rooms: each root module and each subpackage is one node.
+
+    Args:
+        graph: The package's module graph (:func:`build_graph`).
+
+    Returns:
+        An :class:`ImportGraph` with ``rooms`` set: a room maps to its file (a root module) or folder (a
+        subpackage); an arrow joins two rooms when a module of one imports a module of the other, of the strongest
+        kind behind it, its ``via`` naming those module imports; imports inside one room are dropped. Type-only
+        imports between rooms with no arrow are kept the same way; unresolved imports are named by room.
+    """
+    rooms: dict[str, Path] = {}
+    for name, path in graph.modules.items():
+        room = room_of(name, graph.top)
+        rooms.setdefault(room, path.parent if room != graph.top and path.name == "__init__.py" else path)
+
+    def collapse(edges: list[Edge]) -> dict[tuple[str, str], tuple[str, list[str]]]:
+        found: dict[tuple[str, str], tuple[str, list[str]]] = {}
+        for edge in edges:
+            pair = (room_of(edge.source, graph.top), room_of(edge.target, graph.top))
+            if pair[0] != pair[1]:
+                kind, via = found.get(pair, (edge.kind, []))
+                kind = min(kind, edge.kind, key=_KIND_RANK.__getitem__)
+                found[pair] = (kind, via + [f"{edge.source} -> {edge.target}"])
+        return found
+
+    arrows = collapse(graph.edges)
+    edges = [Edge(source, target, kind, (), tuple(sorted(via)))
+             for (source, target), (kind, via) in sorted(arrows.items())]
+    type_only = [Edge(source, target, kind, (), tuple(sorted(via)))
+                 for (source, target), (kind, via) in sorted(collapse(graph.type_only).items())
+                 if (source, target) not in arrows]
+    unresolved = [f"{room_of(sentence.split(' ', 1)[0], graph.top)} ({sentence})" for sentence in graph.unresolved]
+    return ImportGraph(top=graph.top, modules=dict(sorted(rooms.items())), edges=edges, type_only=type_only,
+                       unresolved=unresolved, rooms=True)
+
+
 def strongly_connected_components(successors: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's algorithm, without recursion.
 
@@ -461,28 +524,37 @@ def _names(text: Optional[str], top: str) -> list[str]:
     return [name[len(top) + 1 :] if name.startswith(top + ".") else name for name in names]
 
 
-def build_report(graph: ImportGraph, roots: Sequence[str] = (), line_modules: Sequence[str] = ()) -> dict:
+def build_report(graph: ImportGraph, roots: Sequence[str] = (), line_modules: Sequence[str] = (),
+                 modules: Optional[ImportGraph] = None) -> dict:
     """The report as a JSON-ready dictionary.
 
     Args:
-        graph: The package's graph.
-        roots: Restrict the floors, edges, cycles and arrows to what these modules reach; empty for every module.
+        graph: The package's graph, of modules or of rooms (:func:`room_graph`).
+        roots: Restrict the floors, edges, cycles and arrows to what these nodes reach; empty for every node.
         line_modules: Modules to count lines of (any module of the package, whatever the roots).
+        modules: The module graph the line counts read, where ``graph`` is of rooms (default: ``graph``).
 
     Returns:
         ``{"package", "roots", "floors": [{"floor", "modules"}], "edges": [...], "type_only": [...],
         "cycles": [{"floor", "members"}], "arrows_up": [...], "unresolved": [...],
         "line_counts": {"modules": {name: {"total", "code"}}, "sum": {"total", "code"}}}``, with
-        ``floor_count`` and ``arrows_up_count``. Edges are as :meth:`Edge.as_json`.
+        ``floor_count`` and ``arrows_up_count``. Edges are as :meth:`Edge.as_json`. A room graph adds
+        ``"rooms": {"count", "root_modules", "subpackages"}`` (the rooms kept, the root's modules named).
 
     Raises:
-        GraphError: A root or a line-count module is no module of the package.
+        GraphError: A root or a line-count module is no node of the package.
     """
     kept = reachable(graph, roots) if roots else set(graph.modules)
-    _check_known(graph, line_modules, "--modules")
+    counted = modules or graph
+    _check_known(counted, line_modules, "--modules")
     layering = layer(graph, kept)
-    counts = {name: count_lines(graph.modules[name]) for name in line_modules}
-    return {
+    counts = {name: count_lines(counted.modules[name]) for name in line_modules}
+    rooms = {}
+    if graph.rooms:
+        root = [name for name in root_modules(graph) if name in kept]
+        rooms = {"rooms": {"count": len(kept), "root_modules": root,
+                           "subpackages": sorted(kept - set(root))}}
+    return {**rooms,
         "package": graph.top,
         "roots": list(roots),
         "floors": [{"floor": number, "modules": names} for number, names in enumerate(layering.floors, start=1)],
@@ -501,15 +573,19 @@ def build_report(graph: ImportGraph, roots: Sequence[str] = (), line_modules: Se
 
 
 def _edge_text(edge: dict) -> str:
+    if edge.get("via"):
+        return f"{edge['from']} -> {edge['to']} ({edge['kind']}, via {', '.join(edge['via'])})"
     lines = ", ".join(str(n) for n in edge["lines"])
     return f"{edge['from']} -> {edge['to']} ({edge['kind']}, line{'s' if len(edge['lines']) > 1 else ''} {lines})"
 
 
 def format_report(report: dict) -> str:
     """The report as readable text: one line per floor, then cycles, arrows up, lazy and type-only imports, line
-    counts, and the closing ``floors: N`` and ``arrows up: M`` lines."""
+    counts, of a room graph the ``rooms: N (root modules: M, subpackages: S)`` line, and the closing ``floors: N``
+    and ``arrows up: M`` lines."""
     roots = f" reachable from {', '.join(report['roots'])}" if report["roots"] else ""
-    out = [f"import graph of {report['package']}{roots}"]
+    nodes = " rooms" if "rooms" in report else ""
+    out = [f"import graph of {report['package']}{nodes}{roots}"]
     out += [f"floor {f['floor']}: {', '.join(f['modules'])}" for f in report["floors"]]
     out.append("cycles:" + ("" if report["cycles"] else " none"))
     out += [f"  floor {c['floor']}: {', '.join(c['members'])}" for c in report["cycles"]]
@@ -529,6 +605,10 @@ def format_report(report: dict) -> str:
         out.append(f"lines: {'module'.ljust(width)}  total   code")
         for name, c in [*counts.items(), ("sum", report["line_counts"]["sum"])]:
             out.append(f"       {name.ljust(width)}  {c['total']:5d}  {c['code']:5d}")
+    if "rooms" in report:
+        rooms = report["rooms"]
+        out.append(f"rooms: {rooms['count']} (root modules: {len(rooms['root_modules'])}, subpackages: "
+                   f"{len(rooms['subpackages'])})")
     out.append(f"floors: {report['floor_count']}")
     out.append(f"arrows up: {report['arrows_up_count']}")
     return "\n".join(out)
@@ -554,7 +634,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--package", type=Path, default=DEFAULT_PACKAGE,
                         help="the package directory (default: megatron_deepepv2 of this repository)")
-    parser.add_argument("--roots", help="comma list of modules: report only what they reach (e.g. manager)")
+    parser.add_argument("--rooms", action="store_true",
+                        help="one node per room: each module at the package root and each subpackage, whole")
+    parser.add_argument("--roots", help="comma list of modules (rooms with --rooms): report only what they reach")
     parser.add_argument("--modules", help="comma list of modules to count lines of (total and code), with the sum")
     parser.add_argument("--json", type=Path, help="also write the report as JSON to this path")
     parser.add_argument("--max-floors", type=int, help="exit 1 when the graph has more floors than this")
@@ -574,7 +656,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         graph = build_graph(args.package)
-        report = build_report(graph, _names(args.roots, graph.top), _names(args.modules, graph.top))
+        drawn = room_graph(graph) if args.rooms else graph
+        report = build_report(drawn, _names(args.roots, graph.top), _names(args.modules, graph.top), graph)
     except GraphError as error:
         log.error("import_graph: %s", error)
         return 2

@@ -143,6 +143,60 @@ def test_a_submodule_imported_from_outside_its_package_runs_the_package_init(tmp
     assert _floors(report) == [["pkg", "sub.mod"], ["sub", "sub.other"], ["outside", "relative"]]
 
 
+def test_rooms_are_the_root_modules_and_the_subpackages_whole(tmp_path, capsys):
+    """``--rooms``: one node per root module (the top ``__init__`` included) and per subpackage; an arrow between two
+    rooms stands for the module imports behind it, of the strongest kind; imports inside a room are no arrow; two
+    rooms importing each other through different modules are a cycle of rooms though the modules form none."""
+    package = _package(tmp_path, {
+        "__init__.py": "from pkg.top import T\n",
+        "top.py": "import pkg.sub.y\nT = 1\n",
+        "low.py": "",
+        "sub/__init__.py": "",
+        "sub/x.py": "import pkg.low\nfrom pkg.sub import y\n",
+        "sub/y.py": "def f():\n    import pkg.low\n",
+        "side/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.low\n",
+        "side/deep/__init__.py": "",
+        "side/deep/z.py": "import pkg.top\n",
+        "other.py": "import pkg.sub.x\n",
+    })
+    status, text, report = _report(package, "--rooms", capsys=capsys, tmp_path=tmp_path)
+    assert status == 0
+    assert report["rooms"] == {"count": 6, "root_modules": ["low", "other", "pkg", "top"],
+                               "subpackages": ["side", "sub"]}
+    assert _floors(report) == [["low"], ["sub"], ["other", "top"], ["pkg", "side"]]
+    assert _edges(report) == {("other", "sub"): "module", ("pkg", "top"): "module", ("side", "top"): "module",
+                              ("sub", "low"): "module", ("top", "sub"): "module"}
+    via = {(e["from"], e["to"]): e["via"] for e in report["edges"]}
+    assert via[("sub", "low")] == ["sub.x -> low", "sub.y -> low"]  # module and lazy: the edge is of kind module
+    assert via[("top", "sub")] == ["top -> sub", "top -> sub.y"]  # the subpackage's init runs first
+    assert [(e["from"], e["to"]) for e in report["type_only"]] == [("side", "low")]
+    assert "sub -> low (module, via sub.x -> low, sub.y -> low)" not in text  # module edges are not listed as lazy
+    assert text.rstrip().endswith("rooms: 6 (root modules: 4, subpackages: 2)\nfloors: 4\narrows up: 0")
+    # The module graph of the same package: more nodes, no rooms line.
+    _, text, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert "rooms" not in report and "rooms:" not in text and "side.deep.z" in str(report["floors"])
+
+
+def test_rooms_that_import_each_other_through_different_modules_are_a_cycle(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "a.py": "import pkg.sub.y\n",
+        "sub/__init__.py": "",
+        "sub/x.py": "def f():\n    import pkg.a\n",
+        "sub/y.py": "",
+    })
+    status, _, report = _report(package, capsys=capsys, tmp_path=tmp_path)
+    assert (status, report["arrows_up_count"]) == (0, 0)
+    status, text, report = _report(package, "--rooms", "--max-arrows-up", "0", capsys=capsys, tmp_path=tmp_path)
+    assert status == 1
+    assert report["cycles"] == [{"floor": 1, "members": ["a", "sub"]}]
+    assert "  a -> sub (module, via a -> sub, a -> sub.y)\n  sub -> a (lazy, via sub.x -> a)\n" in text
+    # Line counts still name modules; the roots name rooms.
+    status, text, report = _report(package, "--rooms", "--roots", "sub", "--modules", "sub.x", capsys=capsys,
+                                   tmp_path=tmp_path)
+    assert report["line_counts"]["modules"] == {"sub.x": {"total": 2, "code": 2}}
+    assert report["rooms"]["count"] == 2 and "reachable from sub" in text
+
+
 def test_code_lines_leave_out_blanks_comments_and_docstrings(tmp_path):
     path = tmp_path / "m.py"
     path.write_text(textwrap.dedent('''\
