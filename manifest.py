@@ -63,7 +63,7 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="deepep_backend",
-        sources=("megatron_deepepv2/backends/deepep.py",),
+        sources=("megatron_deepepv2/backends/deepep/adapter.py",),
         tests=_REPLAY_TESTS,
         kind="external-lib",
         notes="ElasticBuffer dispatch/combine; bit-exact only in deterministic mode (GPU cases of the replay suite).",
@@ -103,7 +103,7 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="sync_free_deterministic_order",
-        sources=("megatron_deepepv2/receive_order.py",),
+        sources=("megatron_deepepv2/backends/deepep/receive_order.py",),
         tests=("tests/unit/test_receive_order.py", "tests/unit/test_deepep_adapter.py",
                "tests/functional/deepep_cases.py"),
         kind="torch-op",
@@ -125,14 +125,14 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="deepep_requirements",
-        sources=("megatron_deepepv2/deepep_lines.py",),
+        sources=("megatron_deepepv2/backends/deepep/lines.py",),
         exempt_reason="One all-reduce of a zero over the expert-parallel group before a DeepEP build, which creates the "
         "NCCL communicator DeepEP reuses: no data path.",
         kind="torch-op",
     ),
     KernelEntry(
         name="node_topology",
-        sources=("megatron_deepepv2/topology.py",),
+        sources=("megatron_deepepv2/backends/deepep/topology.py",),
         exempt_reason="One all_gather_object of node identities per group at the first buffer build: decides DeepEP's "
         "mode, no data path.",
         kind="torch-op",

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 _ENV_PREFIX = "MEGATRON_DEEPEPV2_"
 #: ``MEGATRON_DEEPEPV2_*`` variables read outside the settings, which :meth:`DeepepV2Settings.from_env` does not warn
 #: about: the test suite's Megatron-LM tree with a native deepepv2 and the DeepEP and NCCL trees of the README's GPU
-#: test and how many one-GPU test jobs share a GPU; and the node identity of :mod:`megatron_deepepv2.topology`, which
-#: differs per node.
+#: test and how many one-GPU test jobs share a GPU; and the node identity of
+#: :mod:`megatron_deepepv2.backends.deepep.topology`, which differs per node.
 OTHER_VARIABLES = ("MEGATRON_DEEPEPV2_NATIVE_TREE", "MEGATRON_DEEPEPV2_README_TREES", "MEGATRON_DEEPEPV2_NODE_ID",
                    "MEGATRON_DEEPEPV2_GPU_JOB_SLOTS")
 #: Variables of settings that are gone, and what to do instead (their WARNING says so).
@@ -63,8 +63,8 @@ class DeepepV2Settings:
             layers skip it: their ids come from ``torch.topk``.
         growth_timeout_s: Seconds a rank waits at a buffer build for the other ranks before it raises.
         deterministic: Bit-exact run to run: received rows in a fixed order (DeepEP's deterministic sort with host sync,
-            :mod:`megatron_deepepv2.receive_order` without), ordered reductions. Megatron's ``--deterministic-mode``
-            turns it on for its layers.
+            :mod:`megatron_deepepv2.backends.deepep.receive_order` without), ordered reductions. Megatron's
+            ``--deterministic-mode`` turns it on for its layers.
         num_sms: SMs for the communication kernels (dispatch, combine and their backward), when Megatron's
             ``moe_flex_dispatcher_num_sms`` (``moe_deepep_num_sms`` before 0.19) is unset; 0 = DeepEP's choice. A
             per-call argument of DeepEP, not of its buffer: dispatches with different SM counts share one buffer.

@@ -3,7 +3,7 @@
 
 The package is read as text with :mod:`ast`; nothing of it is imported, so the tool runs without torch or Megatron.
 
-* A node is a module of the package: ``ops.py`` is ``ops``, ``backends/deepep.py`` is ``backends.deepep``,
+* A node is a module of the package: ``ops.py`` is ``ops``, ``backends/base.py`` is ``backends.base``,
   ``backends/__init__.py`` is ``backends``, and the top ``__init__.py`` carries the package's own name.
 * An edge is an import of another module of the package, absolute or relative, wherever it stands. One at module
   level (class bodies and ``try`` blocks included) is of kind ``module``; one inside a function is ``lazy`` (it

@@ -1,9 +1,10 @@
 """Device memory one MoE layer's dispatch holds per rank, from DeepEP's buffer arithmetic (no GPU needed).
 
 For a model shape and expert-parallel sizes, prints and writes (JSON + PNG) the bytes of
-:func:`megatron_deepepv2.sizing.layer_memory`: the communication buffer, the received rows the experts keep for
-backward, and the peak while the dispatch runs; with host sync (exact receive, a balanced router), without host sync
-(the worst case), and without host sync under a receive bound (Megatron's ``--moe-expert-rank-capacity-factor``)::
+:func:`megatron_deepepv2.backends.deepep.sizing.layer_memory`: the communication buffer, the received rows the
+experts keep for backward, and the peak while the dispatch runs; with host sync (exact receive, a balanced router),
+without host sync (the worst case), and without host sync under a receive bound (Megatron's
+``--moe-expert-rank-capacity-factor``)::
 
     python tools/memory_budget.py --shape deepseek-v3 --ep 8 64 --tokens 4096 --out docs
 
@@ -21,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_deepepv2.sizing import Topology, layer_memory  # noqa: E402
+from megatron_deepepv2.backends.deepep.sizing import Topology, layer_memory  # noqa: E402
 from tools._bench import grouped_bars, new_figure, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
 
 logger = logging.getLogger("memory_budget")

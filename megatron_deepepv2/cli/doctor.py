@@ -2,12 +2,13 @@
 
 Checks what the DeepEP v2 path needs, each finding with a fix: Python, torch and megatron-core versions;
 CUDA and the SM architecture; ``deep_ep`` importable and which line it is (2.1 ``ElasticBuffer`` or V2.5
-``EPBuffer``, :mod:`megatron_deepepv2.deepep_lines`); the NCCL runtime actually loaded (that line's minimum:
+``EPBuffer``, :mod:`megatron_deepepv2.backends.deepep.lines`); the NCCL runtime actually loaded (that line's minimum:
 2.30.4 / 2.32.3, and exactly one ``libnccl`` mapped); ``deep_ep._C`` linking libstdc++ dynamically (a static copy
 crashes inside ``std::regex`` at the first dispatch); ``nvcc`` (V2.5's JIT needs >= 13.1) against the driver's CUDA
 version (a newer nvcc's cubins load on an older driver, its PTX does not) and a writable JIT cache; NVLink, and
-NCCL GIN as the library decides it from the hardware (:func:`megatron_deepepv2.topology.decide_gin`: off through
-``EP_DISABLE_GIN=1`` on a node without an RDMA NIC); the NVLink-multicast guard variables; the torchrun environment.
+NCCL GIN as the library decides it from the hardware
+(:func:`megatron_deepepv2.backends.deepep.topology.decide_gin`: off through ``EP_DISABLE_GIN=1`` on a node without an
+RDMA NIC); the NVLink-multicast guard variables; the torchrun environment.
 
 Exit status: 1 when a blocking problem (``fail``) was found, else 0. Every probe of the system goes through
 :class:`Probes`, so tests inject facts instead of needing a GPU.
@@ -32,8 +33,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping, Optional
 
-from megatron_deepepv2.deepep_lines import DEEPEP_2_1, LINES, DeepEPLine, Version, parse_version, version_text
-from megatron_deepepv2.topology import GIN_VARIABLE, decide_gin, find_rdma_devices, launch_num_nodes, set_gin_variable
+from megatron_deepepv2.backends.deepep.lines import DEEPEP_2_1, LINES, DeepEPLine, Version, parse_version, version_text
+from megatron_deepepv2.backends.deepep.topology import (GIN_VARIABLE, decide_gin, find_rdma_devices, launch_num_nodes,
+                                                      set_gin_variable)
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 MULTICAST_GUARDS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -101,13 +103,13 @@ def links_libstdcxx_dynamically(needed: list[str]) -> bool:
 def _default_nccl_version() -> Optional[tuple[int, ...]]:
     import torch  # noqa: F401,PLC0415 - loads torch's libnccl before asking it
 
-    from megatron_deepepv2.deepep_lines import runtime_nccl_version  # noqa: PLC0415
+    from megatron_deepepv2.backends.deepep.lines import runtime_nccl_version  # noqa: PLC0415
 
     return runtime_nccl_version()
 
 
 def _default_mapped_nccl() -> list[str]:
-    from megatron_deepepv2.deepep_lines import mapped_nccl_libraries  # noqa: PLC0415
+    from megatron_deepepv2.backends.deepep.lines import mapped_nccl_libraries  # noqa: PLC0415
 
     return mapped_nccl_libraries()
 
@@ -195,7 +197,8 @@ def _default_driver_cuda() -> Optional[Version]:
 def disable_gin_without_rdma(environ: Optional[MutableMapping[str, str]] = None,
                              rdma_devices: Optional[Callable[[], list[str]]] = None) -> bool:
     """Sets ``EP_DISABLE_GIN=1`` on a node without an RDMA NIC, unless the variable is set already: the library's
-    decision (:func:`megatron_deepepv2.topology.set_gin_variable`), applied by a launcher for the processes it starts.
+    decision (:func:`megatron_deepepv2.backends.deepep.topology.set_gin_variable`), applied by a launcher for the
+    processes it starts.
 
     A launch that spans several nodes is left to the library, which decides per expert-parallel group when it builds
     DeepEP's buffer (a group within one node needs no GIN; one across nodes without RDMA is refused with the fix).

@@ -22,7 +22,8 @@ an earlier run already did it with the same inputs (state in ``--work-dir``):
    module of that name too) is replaced only with ``--replace-deep-ep``.
 7. ``verify``: a fresh Python imports torch and ``deep_ep``: exactly one ``libnccl`` mapped, the expected one, and
    the line's buffer class present; and NCCL GIN as the library will decide it on this node
-   (:func:`megatron_deepepv2.topology.decide_gin`: off through ``EP_DISABLE_GIN=1`` without an RDMA NIC, unless set).
+   (:func:`megatron_deepepv2.backends.deepep.topology.decide_gin`: off through ``EP_DISABLE_GIN=1`` without an RDMA
+   NIC, unless set).
 8. ``doctor``: the doctor's report; its exit status is the installer's. Its ``gin`` check makes the same decision, so
    a node without an RDMA NIC passes it without ``EP_DISABLE_GIN`` set.
 
@@ -62,7 +63,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from megatron_deepepv2.deepep_lines import (
+from megatron_deepepv2.backends.deepep.lines import (
     DEEPEP_2_1,
     LINES,
     DeepEPLine,
@@ -72,7 +73,7 @@ from megatron_deepepv2.deepep_lines import (
     version_text,
 )
 from megatron_deepepv2.cli.doctor import elf_needed_libraries, find_nvcc, links_libstdcxx_dynamically, nvcc_version
-from megatron_deepepv2.topology import decide_gin, find_rdma_devices
+from megatron_deepepv2.backends.deepep.topology import decide_gin, find_rdma_devices
 
 logger = logging.getLogger("megatron_deepepv2.cli.install_deepep")
 
@@ -86,7 +87,7 @@ NVCC_WHEELS = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 _PROBE_SOURCE = '#include <regex>\n#include <string>\nint probe(const char* s) { return std::regex_match(std::string(s), std::regex("a+b")); }\n'
 _PYTHON_PROBE = """
 import json, torch
-from megatron_deepepv2.deepep_lines import mapped_nccl_libraries, runtime_nccl_version
+from megatron_deepepv2.backends.deepep.lines import mapped_nccl_libraries, runtime_nccl_version
 out = {"nccl": runtime_nccl_version(), "mapped": mapped_nccl_libraries(), "cuda": torch.version.cuda,
        "torch": torch.__version__, "python": "%d.%d" % __import__("sys").version_info[:2]}
 if IMPORT_DEEP_EP:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import megatron_deepepv2 as dv2  # noqa: E402
 from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-from megatron_deepepv2.backends.deepep import DeepEPBackend
+from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
 from megatron_deepepv2.layout import ExpertLayout
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.config import DeepepV2Settings  # noqa: E402
@@ -345,7 +345,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
     sync (a buffer built ``deterministic=True``): the valid rows, weights, compact ids and the handle's metadata,
     combine with weights and cached dispatch, bitwise, for both layouts with and without alignment, on routings with
     empty experts and -1 selections; then the autograd ops' output and both gradients, host sync against none."""
-    from megatron_deepepv2.sizing import buffer_size_arguments
+    from megatron_deepepv2.backends.deepep.sizing import buffer_size_arguments
 
     world, group = dist.get_world_size(), dist.group.WORLD
     hidden, experts, topk, t_max = 1024, 32, 8, 1024
@@ -954,11 +954,11 @@ def fp8_layer_buffer_fits_combine_backward() -> None:
 @case
 def sizing_model_matches_deepep() -> None:
     """The package's model of DeepEP's buffer arithmetic gives the size DeepEP itself computes for the group, in
-    direct mode, BF16 and FP8, over several shapes (megatron_deepepv2.sizing is what the CPU tests check every
-    shape and group size with)."""
+    direct mode, BF16 and FP8, over several shapes (megatron_deepepv2.backends.deepep.sizing is what the CPU tests
+    check every shape and group size with)."""
     from deep_ep import ElasticBuffer
 
-    from megatron_deepepv2.sizing import Topology, calculated_buffer_bytes
+    from megatron_deepepv2.backends.deepep.sizing import Topology, calculated_buffer_bytes
 
     group, world = dist.group.WORLD, dist.get_world_size()
     topology = Topology(1, world, True)  # one node, direct mode

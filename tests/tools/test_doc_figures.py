@@ -1411,8 +1411,8 @@ def test_a_changed_figure_fails() -> None:
 
 def test_memory_md_quotes_the_sizing_model() -> None:
     """memory.md's computed figures (no JSON: Mixtral's FP8-sized buffer, the table of buffer sizes) are what
-    ``megatron_deepepv2.sizing`` computes."""
-    from megatron_deepepv2 import sizing
+    ``megatron_deepepv2.backends.deepep.sizing`` computes."""
+    from megatron_deepepv2.backends.deepep import sizing
 
     mib = 2 ** -20
     topology = sizing.Topology(num_scaleout_ranks=1, num_scaleup_ranks=4)

@@ -214,7 +214,7 @@ def test_recorded_nccl_is_the_library_loaded_not_the_one_torch_was_built_with(mo
     """DeepEP v2 setups load a newer NCCL than PyTorch was built with; a record names the loaded one."""
     import torch
 
-    from megatron_deepepv2 import deepep_lines
+    from megatron_deepepv2.backends.deepep import lines as deepep_lines
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))  # what torch was built with

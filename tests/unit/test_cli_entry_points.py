@@ -65,6 +65,7 @@ def test_importing_a_tool_loads_no_other_tool_nor_megatron_nor_the_dispatch_path
         other_tools.discard("megatron_deepepv2.cli.doctor")  # the installer uses the doctor's probes
     assert not other_tools & after, sorted(other_tools & after)
     added = sorted(name for name in after - package if name.startswith("megatron_deepepv2."))
-    allowed = {"megatron_deepepv2.cli", module, "megatron_deepepv2.cli.doctor", "megatron_deepepv2.deepep_lines"}
+    allowed = {"megatron_deepepv2.cli", module, "megatron_deepepv2.cli.doctor",
+               "megatron_deepepv2.backends.deepep.lines"}
     assert set(added) <= allowed, added
     assert "megatron_deepepv2.ops" not in after - package

@@ -503,7 +503,7 @@ def install_deep_ep_with_handle(monkeypatch: pytest.MonkeyPatch, handle_class: O
 
 def use_stand_in_backend(line: str = "2.1") -> None:
     """Makes ``backend="deepep"`` run the adapter over a line's stand-in, on CPU tensors of any dtype (in a rank)."""
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.backends.reference import ReferenceBackend
 
     _install_fake(line)
@@ -517,7 +517,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     stand_in = STAND_INS[line][1]
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig, Streams
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
@@ -615,7 +615,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig, Streams
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
@@ -662,7 +662,7 @@ def test_adapter_plumbing_against_strict_stand_in(line: str) -> None:
 
 
 def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2.backends.deepep import import_deep_ep
+    from megatron_deepepv2.backends.deepep.adapter import import_deep_ep
 
     v1 = types.ModuleType("deep_ep")
     v1.__version__ = "1.2.1"
@@ -677,7 +677,7 @@ def _caller_reuses_topk_idx(rank: int, world: int) -> str:
     next replay of a CUDA graph refills its static inputs) must not change the routing of a pending combine."""
     _install_fake("V2.5")
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.backends.reference import ReferenceBackend
 
     spec, config = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=16), DispatchConfig(DeepEPBackend)
@@ -714,7 +714,7 @@ def _backend_order_worker(rank: int, world: int, line: str) -> int:
     weights, compact ids, a cached dispatch, and a combine with weights of distinct rows, against the dense oracle."""
     use_stand_in_backend(line)
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 
@@ -840,7 +840,7 @@ def test_deterministic_mode_through_the_autograd_ops_is_the_same_with_and_withou
 def _scrambled_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 

@@ -1,4 +1,5 @@
-"""NCCL GIN decided from the hardware (:func:`megatron_deepepv2.topology.decide_gin` and what applies it).
+"""NCCL GIN decided from the hardware (:func:`megatron_deepepv2.backends.deepep.topology.decide_gin` and what applies
+it).
 
 The RDMA probe and the environment are faked: a dictionary for the environment (or ``os.environ`` under
 ``monkeypatch``), a list of device paths for ``/sys/class/infiniband``. The backend's use of the decision runs on gloo
@@ -13,8 +14,8 @@ from typing import Optional
 
 import pytest
 
-from megatron_deepepv2 import topology
-from megatron_deepepv2.topology import (GIN_VARIABLE, NODE_ID_VARIABLE, decide_gin, launch_num_nodes,
+from megatron_deepepv2.backends.deepep import topology
+from megatron_deepepv2.backends.deepep.topology import (GIN_VARIABLE, NODE_ID_VARIABLE, decide_gin, launch_num_nodes,
                                         set_gin_variable)
 from tests.distributed import run_distributed
 
@@ -38,7 +39,7 @@ def test_no_rdma_nic_and_unset_sets_it_in_the_process_environment_with_one_info_
     monkeypatch.setenv(GIN_VARIABLE, "placeholder")  # recorded first, so teardown undoes what the call sets
     monkeypatch.delenv(GIN_VARIABLE)
     monkeypatch.setattr(topology, "find_rdma_devices", lambda: [])  # the default probe, looked up at each call
-    caplog.set_level(logging.INFO, logger="megatron_deepepv2.topology")
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.backends.deepep.topology")
     for _ in range(2):  # a second decision (a second buffer) changes nothing and says nothing
         decision = set_gin_variable(1)
         assert os.environ.get(GIN_VARIABLE) == "1"
@@ -53,7 +54,7 @@ def test_no_rdma_nic_and_unset_sets_it_in_the_process_environment_with_one_info_
 @pytest.mark.parametrize("num_nodes", [1, 2])
 def test_a_value_the_user_set_is_kept(caplog: pytest.LogCaptureFixture, value: str, nics: list,
                                       num_nodes: int) -> None:
-    caplog.set_level(logging.INFO, logger="megatron_deepepv2.topology")
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.backends.deepep.topology")
     env = {GIN_VARIABLE: value}
     decision = set_gin_variable(num_nodes, env, lambda: nics)  # several nodes without a NIC too: the user decided
     assert env == {GIN_VARIABLE: value}
@@ -63,7 +64,7 @@ def test_a_value_the_user_set_is_kept(caplog: pytest.LogCaptureFixture, value: s
 
 @pytest.mark.parametrize("num_nodes", [1, 4])
 def test_an_rdma_nic_leaves_it_unset(caplog: pytest.LogCaptureFixture, num_nodes: int) -> None:
-    caplog.set_level(logging.INFO, logger="megatron_deepepv2.topology")
+    caplog.set_level(logging.INFO, logger="megatron_deepepv2.backends.deepep.topology")
     env: dict = {}
     decision = set_gin_variable(num_nodes, env, lambda: NIC)
     assert env == {} and decision.gin_on and not decision.automatic
@@ -113,7 +114,7 @@ def _gin_at_build(rank: int, world: int, nodes: Optional[list[str]], nics: list[
     import sys
 
     from megatron_deepepv2.backends.base import BufferSpec
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from tests.unit.test_deepep_adapter import group_of, use_stand_in_backend
 
     os.environ.pop(GIN_VARIABLE, None)

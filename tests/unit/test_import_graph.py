@@ -314,7 +314,7 @@ def test_on_the_real_package_a_root_stands_on_the_top_floor_of_what_it_reaches(t
 
 
 #: The narrow hot path: what a Megatron dispatch and combine run through, with the lifecycle and checks they use.
-HOT_PATH = "manager,ops,buffers,validation,backends.base,backends.deepep"
+HOT_PATH = "manager,ops,buffers,validation,backends.base,backends.deepep.adapter"
 
 
 def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
@@ -349,7 +349,7 @@ def test_the_library_stands_apart_from_its_tools(tmp_path, capsys):
     assert import_graph.main(["--roots", "megatron_deepepv2", "--json", str(out), "--max-floors", "7",
                               "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
     reached = {name for floor in json.loads(out.read_text())["floors"] for name in floor["modules"]}
-    assert {"integration", "manager", "ops", "buffers", "backends.deepep", "backends.reference"} <= reached
+    assert {"integration", "manager", "ops", "buffers", "backends.deepep.adapter", "backends.reference"} <= reached
     assert not [name for name in reached if name.split(".")[0] in TOOLS], reached
     whole = tmp_path / "package.json"
     assert import_graph.main(["--json", str(whole), "--max-floors", "9", "--max-arrows-up", "0"]) == 0, \

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from megatron_deepepv2 import deepep_lines
-from megatron_deepepv2.deepep_lines import DEEPEP_2_1, DEEPEP_2_5, log_buffer_built
+from megatron_deepepv2.backends.deepep import lines as deepep_lines
+from megatron_deepepv2.backends.deepep.lines import DEEPEP_2_1, DEEPEP_2_5, log_buffer_built
 
 
 @pytest.fixture(autouse=True)
@@ -20,13 +20,13 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_the_line_that_ran_in_direct_mode_logs_its_choice_and_warns_of_nothing(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="megatron_deepepv2.deepep_lines"):
+    with caplog.at_level(logging.INFO, logger="megatron_deepepv2.backends.deepep.lines"):
         log_buffer_built(DEEPEP_2_1, hybrid=False, why="one node")
     assert [r.getMessage() for r in caplog.records] == ["DeepEP 2.1 ElasticBuffer: direct mode (one node)"]
 
 
 def test_v2_5_and_hybrid_mode_each_warn_once_per_process(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="megatron_deepepv2.deepep_lines"):
+    with caplog.at_level(logging.INFO, logger="megatron_deepepv2.backends.deepep.lines"):
         for _ in range(3):  # a buffer per layer or per hidden size: one warning each, not one per build
             log_buffer_built(DEEPEP_2_5, hybrid=False, why="one node")
         log_buffer_built(DEEPEP_2_1, hybrid=True, why="the group spans 2 nodes")

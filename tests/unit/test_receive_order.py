@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from megatron_deepepv2.receive_order import compact_order, expand_order, relink
+from megatron_deepepv2.backends.deepep.receive_order import compact_order, expand_order, relink
 
 
 def _expand_receive(seed: int, num_tokens: int, topk: int, experts: int, alignment: int, empty: set[int],
@@ -173,7 +173,7 @@ def _handle(num_topk: int = 3, rows: int = 6, **changes):
 @pytest.mark.parametrize("layout", ["compact", "expand"])
 def test_the_handle_layout_the_order_relies_on_is_accepted(layout: str) -> None:
     from megatron_deepepv2.layout import ExpertLayout
-    from megatron_deepepv2.receive_order import check_handle_layout
+    from megatron_deepepv2.backends.deepep.receive_order import check_handle_layout
 
     check_handle_layout(_handle(), 3, ExpertLayout.parse(layout))
     check_handle_layout(_handle(channel_linked_list=torch.zeros(4, 2, dtype=torch.int64)), 3, ExpertLayout.COMPACT)
@@ -193,7 +193,7 @@ def test_a_handle_laid_out_otherwise_is_refused_before_it_is_rewritten(layout: s
     """A DeepEP whose handle is laid out otherwise would have its metadata silently corrupted by the rewrite: the
     ordering refuses it, naming the field, and leaves the handle as it was."""
     from megatron_deepepv2.layout import ExpertLayout
-    from megatron_deepepv2.receive_order import order_received
+    from megatron_deepepv2.backends.deepep.receive_order import order_received
 
     handle = _handle(**change)
     before = {name: None if t is None else t.clone() for name, t in vars(handle).items()}

@@ -1,4 +1,5 @@
-"""DeepEP's buffer arithmetic (:mod:`megatron_deepepv2.sizing`) and the DeepEP backend's sizing checked against it.
+"""DeepEP's buffer arithmetic (:mod:`megatron_deepepv2.backends.deepep.sizing`) and the DeepEP backend's sizing
+checked against it.
 
 The model is first pinned to sizes worked out by hand from DeepEP 2.1's layout formulas (``buffer.hpp``,
 ``layout.cuh``): a slot is hidden bytes + scale bytes + metadata, each rounded up to 32 bytes; dispatch metadata is
@@ -13,7 +14,7 @@ import itertools
 
 import pytest
 
-from megatron_deepepv2.sizing import (
+from megatron_deepepv2.backends.deepep.sizing import (
     BUFFER_ALIGNMENT,
     Topology,
     buffer_size_arguments,
@@ -119,8 +120,8 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     import torch.distributed as dist
 
     from megatron_deepepv2.backends.base import BufferSpec
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
-    from megatron_deepepv2.backends import deepep as adapter
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import adapter
     from megatron_deepepv2.config import DeepepV2Settings
 
     built = []

@@ -1,4 +1,5 @@
-"""DeepEP's hybrid/direct mode from the nodes of the expert-parallel group's ranks (:mod:`megatron_deepepv2.topology`).
+"""DeepEP's hybrid/direct mode from the nodes of the expert-parallel group's ranks
+(:mod:`megatron_deepepv2.backends.deepep.topology`).
 
 The expected modes are written out by hand from DeepEP's rule (hybrid when the ranks span more than one NVLink
 domain, NCCL's LSA team) for layouts a launcher produces: a plain 8-GPU node, an expert-parallel group strided one rank
@@ -13,7 +14,7 @@ from typing import Optional
 
 import pytest
 
-from megatron_deepepv2.topology import NODE_ID_VARIABLE, local_node_id, node_layout
+from megatron_deepepv2.backends.deepep.topology import NODE_ID_VARIABLE, local_node_id, node_layout
 from tests.distributed import run_distributed
 
 
@@ -91,7 +92,7 @@ def _gathered_decisions(rank: int, world: int, nodes: list[str]) -> dict:
 
     import torch.distributed as dist
 
-    from megatron_deepepv2 import topology
+    from megatron_deepepv2.backends.deepep import topology
 
     os.environ[NODE_ID_VARIABLE] = nodes[rank]
     gathers = []
@@ -133,7 +134,7 @@ def _refusal(rank: int, world: int, nodes: list[str]) -> str:
 
     import torch.distributed as dist
 
-    from megatron_deepepv2 import topology
+    from megatron_deepepv2.backends.deepep import topology
 
     os.environ[NODE_ID_VARIABLE] = nodes[rank]
     try:
@@ -154,9 +155,9 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
 
     import torch
 
-    from megatron_deepepv2 import deepep_lines, topology
+    from megatron_deepepv2.backends.deepep import lines as deepep_lines, topology
     from megatron_deepepv2.backends.base import BufferSpec
-    from megatron_deepepv2.backends.deepep import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.config import DeepepV2Settings
     from tests.unit.test_deepep_adapter import group_of, use_stand_in_backend
 

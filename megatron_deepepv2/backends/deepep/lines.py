@@ -228,7 +228,7 @@ def deepep_unavailable_reason() -> Optional[str]:
 
 
 #: What deterministic mode uses of DeepEP's ``EPHandle``, with host sync (DeepEP's own sort) and without (the metadata
-#: :mod:`megatron_deepepv2.receive_order` reads; constructor arguments; the layout of each is checked there).
+#: :mod:`.receive_order` reads; constructor arguments; the layout of each is checked there).
 HANDLE_ORDER_NEEDS = {True: ("deterministic_sort",),
                       False: ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank",
                               "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",

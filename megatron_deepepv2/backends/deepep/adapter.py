@@ -1,6 +1,6 @@
 """DeepEP v2 backend: the backend contract over ``deep_ep``'s ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1).
 
-:class:`~megatron_deepepv2.deepep_lines.DeepEPLine` holds what differs between the lines; :meth:`DeepEPBackend._kwargs`
+:class:`~.lines.DeepEPLine` holds what differs between the lines; :meth:`DeepEPBackend._kwargs`
 is the one place a setting becomes a DeepEP call argument, :meth:`DeepEPBackend._call` the one way a call is made.
 """
 
@@ -15,13 +15,13 @@ import torch.distributed as dist
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import register_backend
-from megatron_deepepv2.deepep_lines import (deepep_unavailable_reason, ensure_nccl_communicator, fill_guard,
+from megatron_deepepv2.backends.deepep.lines import (deepep_unavailable_reason, ensure_nccl_communicator, fill_guard,
                                             handle_order_unavailable_reason, import_deep_ep, line_of_module,
                                             log_buffer_built)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
-from megatron_deepepv2.receive_order import order_received
-from megatron_deepepv2.sizing import buffer_size_arguments
-from megatron_deepepv2.topology import choose_hybrid_mode, set_gin_variable_for_group
+from megatron_deepepv2.backends.deepep.receive_order import order_received
+from megatron_deepepv2.backends.deepep.sizing import buffer_size_arguments
+from megatron_deepepv2.backends.deepep.topology import choose_hybrid_mode, set_gin_variable_for_group
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class DeepEPBackend(DispatchBackend):
 
     def _call(self, method: Any, streams: Streams, *args: Any, **kwargs: Any) -> tuple:
         """One call of the DeepEP buffer's ``method`` (``dispatch`` or ``combine``), under
-        :func:`~megatron_deepepv2.deepep_lines.fill_guard`, with the previous event DeepEP accepts only with
+        :func:`~.lines.fill_guard`, with the previous event DeepEP accepts only with
         ``allocate_on_comm_stream``; in async mode the current stream is made to wait for it (DeepEP asserts against
         that wait in sync mode).
 
