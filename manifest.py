@@ -77,15 +77,15 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="megatron_manager",
-        sources=("megatron_deepepv2/manager.py", "megatron_deepepv2/bounded_receive.py",
-                 "megatron_deepepv2/integration.py"),
+        sources=("megatron_deepepv2/mcore/manager.py", "megatron_deepepv2/mcore/bounded_receive.py",
+                 "megatron_deepepv2/mcore/integration.py"),
         tests=_REPLAY_TESTS,
         kind="dispatch",
         notes="MoELayer with deepepv2 (expand and compact) replayed bit-exactly.",
     ),
     KernelEntry(
         name="sync_free_experts",
-        sources=("megatron_deepepv2/experts.py", "megatron_deepepv2/expert_kernels.py"),
+        sources=("megatron_deepepv2/mcore/experts.py", "megatron_deepepv2/expert_kernels.py"),
         tests=_REPLAY_TESTS + ("tests/unit/test_experts.py",),
         kind="torch-op",
         notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts and row-bounded Triton activation x "

@@ -29,14 +29,14 @@ __version__ = "0.1.0"
 
 
 def install():
-    """Teaches megatron-core the ``deepepv2`` flex-dispatcher backend (see :mod:`megatron_deepepv2.integration`).
+    """Teaches megatron-core the ``deepepv2`` flex-dispatcher backend (see :mod:`megatron_deepepv2.mcore.integration`).
 
     Idempotent. Imports Megatron, so it lives behind this function rather than at package import.
 
     Returns:
-        An :class:`~megatron_deepepv2.integration.InstallReport`.
+        An :class:`~megatron_deepepv2.mcore.integration.InstallReport`.
     """
-    from megatron_deepepv2.integration import install as _install  # noqa: PLC0415
+    from megatron_deepepv2.mcore.integration import install as _install  # noqa: PLC0415
 
     return _install()
 

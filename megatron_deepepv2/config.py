@@ -77,8 +77,8 @@ class DeepepV2Settings:
         manager: Which ``_DeepepV2Manager`` deepepv2 layers get on a megatron-core that ships its own: ``plugin``
             (this package's) or ``native`` (megatron-core's; :func:`megatron_deepepv2.install` then patches nothing).
         experts: The experts of every MoE layer: ``spec`` (the layer spec's) or ``sync_free`` (Megatron's
-            ``SequentialMLP`` becomes :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`: the same parameters
-            and checkpoints, grouped GEMMs, device-side counts).
+            ``SequentialMLP`` becomes :class:`~megatron_deepepv2.mcore.experts.SyncFreeSequentialMLP`: the same
+            parameters and checkpoints, grouped GEMMs, device-side counts).
 
     Raises:
         ValueError: At construction, as :meth:`check`.

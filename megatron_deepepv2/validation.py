@@ -3,7 +3,7 @@ argument, its value and the fix; all run before any communication (a rank raisin
 peers waiting). The rules on settings and dispatch configurations are theirs, run when they are built
 (:meth:`~megatron_deepepv2.config.DeepepV2Settings.check`,
 :meth:`~megatron_deepepv2.backends.base.DispatchConfig.check`); a Megatron configuration's are
-:mod:`megatron_deepepv2.megatron_config`'s.
+:mod:`megatron_deepepv2.mcore.megatron_config`'s.
 
 Naming: ``check_*`` raises; ``*_problem`` returns the exception to raise, or None; ``*_error`` builds one exception.
 """

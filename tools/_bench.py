@@ -67,8 +67,8 @@ MULTICAST_OFF: dict[str, str] = {
 PLOT_HINT = "pip install 'megatron-deepepv2[bench]' (matplotlib) for it"
 
 #: The passes only direct callers need, which the Megatron manager turns off
-#: (:func:`megatron_deepepv2.manager.dispatch_config_for`): its ids come from ``torch.topk``, and nothing reads other
-#: ranks' weights or the rows past the valid ones.
+#: (:func:`megatron_deepepv2.mcore.manager.dispatch_config_for`): its ids come from ``torch.topk``, and nothing reads
+#: other ranks' weights or the rows past the valid ones.
 MEGATRON_MANAGER_OVERRIDES: dict[str, Any] = {"check_ids": False, "mask_foreign_weights": False, "clear_tail": False}
 
 

@@ -13,7 +13,7 @@ CUDA events after warm-up (DeepEP's JIT excluded), the median of ``--iters`` ite
   take; a layer the package or Megatron refuses to build is listed under the row's ``not_run`` with the reason; every
   other dispatcher, DeepEP v1 and hybridep included, side by side on model shapes: ``tools/compare_dispatchers.py``);
 * ``layer_<dispatcher>``: a full MoELayer (SequentialMLP experts) forward + backward (BF16 configs only);
-* ``layer_syncfree_*``: the deepepv2 MoELayer with :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP`
+* ``layer_syncfree_*``: the deepepv2 MoELayer with :class:`~megatron_deepepv2.mcore.experts.SyncFreeSequentialMLP`
   experts with host sync, without (eager), and without host sync captured in a CUDA graph (replay);
 * ``layer_shared_serial`` / ``layer_shared_overlap``: with a shared expert, ``moe_shared_expert_overlap``
   off / on; the summary derives how much of the communication (``raw_fwd_bwd``) stays exposed;

@@ -7,7 +7,7 @@ backward (median of ``--iters`` after warm-up, CUDA events) of:
 
 * ``sequential_mlp``: Megatron's ``SequentialMLP`` (what the local layer spec builds without Transformer Engine),
   host counts;
-* ``sync_free_exact``: :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP` with host counts (the
+* ``sync_free_exact``: :class:`~megatron_deepepv2.mcore.experts.SyncFreeSequentialMLP` with host counts (the
   host-sync dispatch: exactly the aligned rows);
 * ``sync_free_worst_case``: the same module on the no-host-sync worst-case buffer (``--worst-rows`` rows, the
   rest past the blocks) with device counts;
@@ -109,7 +109,7 @@ def build_experts(kind: str, shape: ExpertShape, seed: int = 1):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_deepepv2.experts import SyncFreeSequentialMLP
+    from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP
     from megatron_deepepv2.testing.moe_model import init_expert_parallel
 
     init_expert_parallel(1)

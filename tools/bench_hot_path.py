@@ -91,9 +91,10 @@ class HotPathConfig:
 
 
 def manager_config(layout: str, tokens: int, sms: int, host_sync: bool, backend: str = "deepep") -> Any:
-    """The dispatch configuration of a Megatron layer's manager (:func:`megatron_deepepv2.manager.dispatch_config_for`)
-    for the layout and the shape this tool times: :data:`LAYOUTS`' layout, alignment and padding, the manager's switches
-    (:func:`_bench.megatron_manager_overrides`), a buffer for ``tokens`` per rank and ``sms`` SMs.
+    """The dispatch configuration of a Megatron layer's manager
+    (:func:`megatron_deepepv2.mcore.manager.dispatch_config_for`) for the layout and the shape this tool times:
+    :data:`LAYOUTS`' layout, alignment and padding, the manager's switches (:func:`_bench.megatron_manager_overrides`),
+    a buffer for ``tokens`` per rank and ``sms`` SMs.
 
     Args:
         layout: A key of :data:`LAYOUTS` (a Megatron layer's is ``expand``).

@@ -7,7 +7,7 @@ routing: the first layer of a model is initialised, the others load its weights)
 * ``path_us``: the dispatcher path alone (router, dispatch stages, identity experts, combine stages), forward +
   backward, median, slowest rank: the dispatchers compared without experts;
 * ``layer_us``: the whole layer forward + backward, with the experts the row names (``expert_module``): Megatron's
-  ``SequentialMLP`` (the local spec's) or ``SyncFreeSequentialMLP`` (``megatron_deepepv2.experts``: two grouped
+  ``SequentialMLP`` (the local spec's) or ``SyncFreeSequentialMLP`` (``megatron_deepepv2.mcore.experts``: two grouped
   GEMMs; what deepepv2 without host sync needs);
 * ``peak_mib``: peak GPU memory of the layer steps above the layer's weights and buffers (CUDA only);
 * ``max_rel_diff``: the layer output against Megatron's ``alltoall`` (``SequentialMLP``) on the same input, relative
@@ -538,7 +538,7 @@ def measure_variant(variant: Variant, model: ModelShape, tokens_list: list[int],
         One row per token count. A layer Megatron refuses to build (the same on every rank) gives rows that say why.
     """
     import megatron_deepepv2 as dv2  # noqa: PLC0415
-    from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
+    from megatron_deepepv2.mcore.manager import dispatch_config_for  # noqa: PLC0415
     from megatron_deepepv2.testing.moe_model import capture_layer_step, dispatcher_path_step, layer_step  # noqa: PLC0415
 
     start = time.perf_counter()

@@ -100,7 +100,7 @@ def _layer_spec(shape: TinyMoEConfig, config, transformer_engine: bool, sync_fre
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False)
     if sync_free_experts:
-        from megatron_deepepv2.experts import with_sync_free_experts  # noqa: PLC0415
+        from megatron_deepepv2.mcore.experts import with_sync_free_experts  # noqa: PLC0415
 
         spec = with_sync_free_experts(spec)
     return spec
@@ -123,7 +123,7 @@ def build_moe_layer(shape: TinyMoEConfig, dispatcher: str, seed: int = 1234, syn
         shape: Layer shape.
         dispatcher: See :func:`transformer_config`.
         seed: Parameter-initialisation seed (identical across dispatchers and ranks).
-        sync_free_experts: Use :class:`~megatron_deepepv2.experts.SyncFreeSequentialMLP` (same parameters
+        sync_free_experts: Use :class:`~megatron_deepepv2.mcore.experts.SyncFreeSequentialMLP` (same parameters
             as SequentialMLP, device-side token counts) for the no-host-sync mode.
         transformer_engine: Build from Megatron's Transformer Engine spec (``TEGroupedMLP`` experts when
             ``shape.extra`` sets ``moe_grouped_gemm``); needs Transformer Engine. Otherwise the local spec's

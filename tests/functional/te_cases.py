@@ -166,7 +166,7 @@ def te_op_fuser_grouped_mlp_with_and_without_host_sync() -> None:
     would split the rows on the host, building the layer raises naming what works; elsewhere it matches alltoall."""
     from megatron.core.activations import squared_relu  # noqa: PLC0415
 
-    from megatron_deepepv2.experts import te_op_fuser_host_split_reason  # noqa: PLC0415
+    from megatron_deepepv2.mcore.experts import te_op_fuser_host_split_reason  # noqa: PLC0415
 
     shape = _shape(use_transformer_engine_op_fuser=True, activation_func=squared_relu,
                    use_fused_weighted_squared_relu=True)

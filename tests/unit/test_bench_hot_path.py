@@ -67,7 +67,7 @@ def test_the_raw_buffer_is_read_from_the_backend_in_one_place() -> None:
 @pytest.mark.parametrize("host_sync", [True, False])
 def test_the_manager_rows_dispatch_as_a_megatron_layer_does(host_sync: bool) -> None:
     import megatron_deepepv2 as dv2
-    from megatron_deepepv2.manager import dispatch_config_for
+    from megatron_deepepv2.mcore.manager import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, transformer_config
 
     with _bench.process_group("gloo", one_rank=True), dv2.settings_override(

@@ -80,7 +80,7 @@ def _megatron(optimizer: torch.optim.Adam):
 def _resume(rank: int, world: int, directory: str) -> dict:
     from megatron.core import dist_checkpointing
 
-    from megatron_deepepv2.experts import SyncFreeSequentialMLP
+    from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP
     from megatron_deepepv2.testing.cpu_shims import install_cpu_shims
     from megatron_deepepv2.testing.moe_model import init_expert_parallel
 

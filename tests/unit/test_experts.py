@@ -38,7 +38,7 @@ def _build(kind: str, activation: str, dtype: torch.dtype, device: str, seed: in
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron_deepepv2.experts import SyncFreeSequentialMLP
+    from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
 
     init_expert_parallel(1)
@@ -91,7 +91,7 @@ def _step(module, x, probs, counts, grad):
 
 
 def _expert_grads(module) -> tuple[torch.Tensor, torch.Tensor]:
-    from megatron_deepepv2.experts import SyncFreeSequentialMLP
+    from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP
 
     if isinstance(module, SyncFreeSequentialMLP):
         return module.weight1.grad, module.weight2.grad
@@ -278,7 +278,7 @@ def _experts_entry(spec):
 def test_spec_helper_puts_sync_free_experts_into_a_copy_of_the_spec() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_deepepv2.experts import SyncFreeSequentialMLP, with_sync_free_experts
+    from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP, with_sync_free_experts
 
     original = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     changed = with_sync_free_experts(original)

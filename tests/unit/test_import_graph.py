@@ -306,15 +306,15 @@ def test_on_the_real_package_floors_follow_the_imports(tmp_path):
 
 def test_on_the_real_package_a_root_stands_on_the_top_floor_of_what_it_reaches(tmp_path, capsys):
     out = tmp_path / "report.json"
-    assert import_graph.main(["--roots", "manager", "--json", str(out)]) == 0
+    assert import_graph.main(["--roots", "mcore.manager", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert "manager" in report["floors"][-1]["modules"]
+    assert "mcore.manager" in report["floors"][-1]["modules"]
     reached = {name for floor in report["floors"] for name in floor["modules"]}
     assert reached >= {target for edge in report["edges"] for target in (edge["from"], edge["to"])}
 
 
 #: The narrow hot path: what a Megatron dispatch and combine run through, with the lifecycle and checks they use.
-HOT_PATH = "manager,ops,buffers,validation,backends.base,backends.deepep.adapter"
+HOT_PATH = "mcore.manager,ops,buffers,validation,backends.base,backends.deepep.adapter"
 
 
 def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
@@ -322,7 +322,7 @@ def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
     at ordinary line lengths (120 columns), and no function in it longer than 60 lines (docstrings state contracts;
     reasons and measurements live in docs/internals.md)."""
     out = tmp_path / "report.json"
-    assert import_graph.main(["--roots", "manager", "--modules", HOT_PATH, "--json", str(out),
+    assert import_graph.main(["--roots", "mcore.manager", "--modules", HOT_PATH, "--json", str(out),
                               "--max-floors", "7", "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["line_counts"]["sum"]["total"] <= 1600, report["line_counts"]
@@ -349,7 +349,8 @@ def test_the_library_stands_apart_from_its_tools(tmp_path, capsys):
     assert import_graph.main(["--roots", "megatron_deepepv2", "--json", str(out), "--max-floors", "7",
                               "--max-arrows-up", "0"]) == 0, capsys.readouterr().out
     reached = {name for floor in json.loads(out.read_text())["floors"] for name in floor["modules"]}
-    assert {"integration", "manager", "ops", "buffers", "backends.deepep.adapter", "backends.reference"} <= reached
+    assert {"mcore.integration", "mcore.manager", "ops", "buffers", "backends.deepep.adapter",
+            "backends.reference"} <= reached
     assert not [name for name in reached if name.split(".")[0] in TOOLS], reached
     whole = tmp_path / "package.json"
     assert import_graph.main(["--json", str(whole), "--max-floors", "9", "--max-arrows-up", "0"]) == 0, \

@@ -108,7 +108,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], types
 
 def test_megatrons_import_of_deepep_21_succeeds_once_exposed_and_nothing_else_changes(
         deep_ep_21: Path, stand_in, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2 import integration  # noqa: PLC0415
+    from megatron_deepepv2.mcore import integration  # noqa: PLC0415
 
     deep_ep = stand_in(deep_ep_21)
     before, utils_before = _names(_fresh_fused_a2a()), set(vars(deep_ep.utils))
@@ -129,7 +129,7 @@ def test_after_megatron_imported_fused_a2a_it_warns_and_changes_nothing(
         deep_ep_21: Path, stand_in, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from megatron.core.transformer.moe import fused_a2a  # noqa: PLC0415
 
-    from megatron_deepepv2 import integration  # noqa: PLC0415
+    from megatron_deepepv2.mcore import integration  # noqa: PLC0415
 
     monkeypatch.setattr(fused_a2a, "HAVE_DEEP_EP", False)  # imported when DeepEP 2.1's names did not import for it
     deep_ep = stand_in(deep_ep_21)
@@ -140,7 +140,7 @@ def test_after_megatron_imported_fused_a2a_it_warns_and_changes_nothing(
 
 def test_a_deepep_without_the_legacy_buffer_is_left_alone(tmp_path: Path, stand_in,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2 import integration  # noqa: PLC0415
+    from megatron_deepepv2.mcore import integration  # noqa: PLC0415
 
     deep_ep = stand_in(_write(tmp_path, DEEP_EP_25))
     monkeypatch.delitem(sys.modules, integration.FUSED_A2A, raising=False)  # as before Megatron is imported

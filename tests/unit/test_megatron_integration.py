@@ -218,8 +218,8 @@ def test_config_validation_errors() -> None:
 def _routing_ids(rank: int, world: int) -> None:
     _setup()
     from megatron_deepepv2 import ops
-    from megatron_deepepv2.manager import _DeepepV2Manager
-    from megatron_deepepv2.manager import dispatch_config_for
+    from megatron_deepepv2.mcore.manager import _DeepepV2Manager
+    from megatron_deepepv2.mcore.manager import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, init_expert_parallel, transformer_config
 
     init_expert_parallel()
@@ -359,7 +359,7 @@ def _native_policy(rank: int, world: int, manager: str) -> dict:
     install_cpu_shims()
     from megatron.core.transformer.moe import moe_layer, token_dispatcher
 
-    from megatron_deepepv2 import integration
+    from megatron_deepepv2.mcore import integration
 
     token_dispatcher._DeepepV2Manager = object  # what a release with native support has
     original = moe_layer.MoEFlexTokenDispatcher
@@ -387,7 +387,7 @@ def test_one_switch_chooses_the_manager_when_megatron_ships_deepepv2(manager: st
 
 def _native_without_native(rank: int, world: int) -> str:
     import megatron_deepepv2 as dv2
-    from megatron_deepepv2 import integration
+    from megatron_deepepv2.mcore import integration
 
     if integration.supports_deepepv2_natively():
         return "native"
@@ -411,7 +411,7 @@ def _unsupported_version(rank: int, world: int) -> str:
 
     from megatron.core import package_info
 
-    from megatron_deepepv2 import integration
+    from megatron_deepepv2.mcore import integration
 
     package_info.__version__ = "0.16.1"
     with pytest.raises(RuntimeError, match=r"needs megatron-core >= 0.17.0 \(tested: >=0.17.0,<0.20.0\); "
@@ -523,7 +523,7 @@ def _copy_after_a_step(rank: int, world: int) -> dict:
     import pickle
 
     _setup()
-    from megatron_deepepv2.manager import dispatch_config_for
+    from megatron_deepepv2.mcore.manager import dispatch_config_for
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
@@ -653,7 +653,7 @@ def _frames_to_the_backend(rank: int, world: int) -> dict:
         def method(self, *args, **kwargs):
             ours = [f"{Path(f.filename).relative_to(package)}:{f.function}" for f in inspect.stack()
                     if Path(f.filename).is_relative_to(package)]
-            start = max((i for i, frame in enumerate(ours) if frame.startswith("manager.py")), default=None)
+            start = max((i for i, frame in enumerate(ours) if frame.startswith("mcore/manager.py")), default=None)
             if start is not None:  # a forward call (the backward ones start in autograd's engine)
                 seen.setdefault(name, list(reversed(ours[:start + 1])))
             return original(self, *args, **kwargs)
@@ -670,5 +670,5 @@ def test_megatron_stages_reach_the_backend_in_three_frames_of_the_package() -> N
     """The manager's dispatch and combine each call their autograd Function, which calls the backend: three frames of
     this package from Megatron's stage to the buffer, and combine goes the way dispatch goes."""
     (seen,) = run_distributed(_frames_to_the_backend, 1)  # the frames of ours on the stack when the backend is called
-    assert seen == {"dispatch": ["manager.py:dispatch", "ops.py:forward"],
-                    "combine": ["manager.py:combine", "ops.py:forward"]}, seen
+    assert seen == {"dispatch": ["mcore/manager.py:dispatch", "ops.py:forward"],
+                    "combine": ["mcore/manager.py:combine", "ops.py:forward"]}, seen

@@ -48,8 +48,8 @@ def _plugin_by_default(rank: int, world: int, tree: str, layout: str) -> dict:
     _use_tree(tree)
     from megatron.core.transformer.moe import token_dispatcher
 
-    from megatron_deepepv2 import integration
-    from megatron_deepepv2.manager import _DeepepV2Manager
+    from megatron_deepepv2.mcore import integration
+    from megatron_deepepv2.mcore.manager import _DeepepV2Manager
     from tests.unit.test_megatron_integration import _parity
 
     assert hasattr(token_dispatcher, "_DeepepV2Manager")  # the tree's own

@@ -300,7 +300,7 @@ def test_op_fuser_experts_without_host_sync_need_transformer_engines_graph_safe_
     """TEGroupedMLP through TE's op fuser takes device counts only where TE's GroupedLinear takes its graph-safe path
     (TE's own predicate, asked with the layer's dtype and recipe); elsewhere TE splits on the host and the layer is
     refused, saying why and what works."""
-    from megatron_deepepv2 import experts as experts_module
+    from megatron_deepepv2.mcore import experts as experts_module
 
     experts, asked = _op_fuser_experts(False, monkeypatch)
     with pytest.raises(ValueError) as refused:
@@ -312,7 +312,7 @@ def test_op_fuser_experts_without_host_sync_need_transformer_engines_graph_safe_
 
     experts, asked = _op_fuser_experts(True, monkeypatch)
     monkeypatch.setattr(experts_module, "_warned_never_run_op_fuser", False)
-    with _captured_warnings("megatron_deepepv2.experts") as warnings:
+    with _captured_warnings("megatron_deepepv2.mcore.experts") as warnings:
         experts_module.check_experts_take_device_counts(experts)
         experts_module.check_experts_take_device_counts(experts)
     assert len(warnings) == 1 and "never run" in warnings[0], warnings
@@ -337,7 +337,7 @@ def _experts_setting(rank: int, world: int) -> list[str]:
     _setup()
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron_deepepv2.experts import SyncFreeSequentialMLP
+    from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
 
     shape = TinyMoEConfig(hidden=32, ffn=48, num_experts=8, topk=3)
@@ -373,7 +373,7 @@ def test_experts_setting_rejects_other_experts_and_unknown_values(monkeypatch) -
 
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
-    from megatron_deepepv2.experts import sync_free_submodules
+    from megatron_deepepv2.mcore.experts import sync_free_submodules
 
     class GroupedExperts(torch.nn.Module):
         pass

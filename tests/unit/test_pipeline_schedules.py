@@ -47,7 +47,7 @@ def _model_chunks(dispatcher: str, virtual_stages, sync_free: bool):
         init_method_std=0.2, batch_p2p_comm=False)), dispatcher)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
     if sync_free:  # no host sync needs experts that take device-side counts (both models get them)
-        from megatron_deepepv2.experts import with_sync_free_experts
+        from megatron_deepepv2.mcore.experts import with_sync_free_experts
 
         spec = with_sync_free_experts(spec)
     chunks = []
@@ -108,7 +108,7 @@ def _schedule_case(rank: int, world: int, virtual_stages, no_host_sync: bool) ->
     chunks, config = _model_chunks("deepepv2", virtual_stages, no_host_sync)
     managers = {type(layer.mlp.token_dispatcher._comm_manager).__module__ for chunk in chunks
                 for layer in chunk.decoder.layers}
-    assert managers == {"megatron_deepepv2.manager"}, managers
+    assert managers == {"megatron_deepepv2.mcore.manager"}, managers
     runs = [_step(chunks, config) for _ in range(3)]
     losses, grads = runs[0]
     for index, (loss, want) in enumerate(zip(losses, want_losses, strict=True)):

@@ -214,7 +214,7 @@ def _gpt(factor, seed: int = 7):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_deepepv2.experts import with_sync_free_experts
+    from megatron_deepepv2.mcore.experts import with_sync_free_experts
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, transformer_config
 
     if not parallel_state.model_parallel_is_initialized():

@@ -454,7 +454,7 @@ def test_bad_ids_without_host_sync_raise_the_assert_message_on_every_rank() -> N
 def test_sync_free_experts_refuse_what_they_cannot_run(change: dict, tp: int, phrase: str) -> None:
     from types import SimpleNamespace
 
-    from megatron_deepepv2.megatron_config import check_sync_free_experts
+    from megatron_deepepv2.mcore.megatron_config import check_sync_free_experts
 
     fields = dict(add_bias_linear=False, fp8=None, fp4=None, delay_wgrad_compute=False, use_te_activation_func=False)
     check_sync_free_experts(SimpleNamespace(**fields), 1)  # what they run: no error

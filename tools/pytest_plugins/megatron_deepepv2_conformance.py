@@ -45,7 +45,8 @@ OTHER_BACKEND_CASES = {
 }
 #: Upstream cases that train FP8 experts (Transformer Engine's FP8 recipes).
 FP8_CASES = ("test_router_padding_for_fp8_forward_backward",)
-#: The package's refusal of FP8 for SyncFreeSequentialMLP (megatron_deepepv2.megatron_config), which those cases meet.
+#: The package's refusal of FP8 for SyncFreeSequentialMLP (megatron_deepepv2.mcore.megatron_config), which those cases
+#: meet.
 SYNC_FREE_FP8_REFUSAL = "SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs"
 
 

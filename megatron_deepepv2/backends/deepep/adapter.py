@@ -1,7 +1,7 @@
 """DeepEP v2 backend: the backend contract over ``deep_ep``'s ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1).
 
-:class:`~.lines.DeepEPLine` holds what differs between the lines; :meth:`DeepEPBackend._kwargs`
-is the one place a setting becomes a DeepEP call argument, :meth:`DeepEPBackend._call` the one way a call is made.
+:class:`~.lines.DeepEPLine` holds what differs between the lines; :meth:`DeepEPBackend._kwargs` is the one place a
+setting becomes a DeepEP call argument, :meth:`DeepEPBackend._call` the one way a call is made.
 """
 
 from __future__ import annotations
@@ -103,10 +103,9 @@ class DeepEPBackend(DispatchBackend):
         return kwargs
 
     def _call(self, method: Any, streams: Streams, *args: Any, **kwargs: Any) -> tuple:
-        """One call of the DeepEP buffer's ``method`` (``dispatch`` or ``combine``), under
-        :func:`~.lines.fill_guard`, with the previous event DeepEP accepts only with
-        ``allocate_on_comm_stream``; in async mode the current stream is made to wait for it (DeepEP asserts against
-        that wait in sync mode).
+        """One call of the DeepEP buffer's ``method`` (``dispatch`` or ``combine``), under :func:`~.lines.fill_guard`,
+        with the previous event DeepEP accepts only with ``allocate_on_comm_stream``; in async mode the current stream
+        is made to wait for it (DeepEP asserts against that wait in sync mode).
 
         Args:
             method: The bound DeepEP method.

@@ -1,7 +1,7 @@
 """The receive bound's memory: the experts keep a bound-sized copy of a dispatch's rows, and the worst-case receive is
 reused as the combine's input (:class:`KeepRows`, :class:`RestoreRows`), forward and backward.
 
-The Megatron manager (:mod:`megatron_deepepv2.manager`) applies a bound under ``moe_expert_rank_capacity_factor``
+The Megatron manager (:mod:`megatron_deepepv2.mcore.manager`) applies a bound under ``moe_expert_rank_capacity_factor``
 (:func:`keep_bounded_rows`); each bounded dispatch hands its worst-case tensors from one Function to the other through
 its own :class:`BoundSlot`.
 """

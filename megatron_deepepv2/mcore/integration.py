@@ -12,7 +12,7 @@ place                                   change
                                         ``moe_enable_deepep`` with deepepv2 is
                                         rejected instead of silently becoming deepep
 ``moe_layer.MoEFlexTokenDispatcher``    rebound to :class:`DeepepV2FlexTokenDispatcher`, which builds
-                                        :class:`~megatron_deepepv2.manager._DeepepV2Manager` for
+                                        :class:`~megatron_deepepv2.mcore.manager._DeepepV2Manager` for
                                         deepepv2 (and runs its ``dispatch_preprocess`` without
                                         ``torch.compile``) and defers to Megatron for every other backend
 ``should_free_input``                   deepepv2 keeps the EP-overlap schedule's inputs like deepep, and
@@ -23,7 +23,7 @@ place                                   change
 ``MoELayer.__init__``                   ``MEGATRON_DEEPEPV2_EXPERTS=sync_free`` gives every MoE layer
                                         (any dispatcher) ``SyncFreeSequentialMLP`` experts; with no host
                                         sync, a deepepv2 layer checks that its experts take device-side
-                                        token counts (:mod:`~megatron_deepepv2.experts`)
+                                        token counts (:mod:`~megatron_deepepv2.mcore.experts`)
 ``MoEFlexTokenDispatcher.reset_``       deepepv2 clears the manager's ``dropped_rows`` with
 ``over_budget``                         ``over_budget`` (Megatron's over-budget rerun calls it)
 ``ModelParallelConfig.finalize_``       every call of ``config.finalize_model_grads_func`` (the
@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 
 from packaging.version import Version
 
-from megatron_deepepv2.megatron_config import check_megatron_config
+from megatron_deepepv2.mcore.megatron_config import check_megatron_config
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def validate_config(config: Any) -> None:
 
     Raises:
         ValueError: For a combination deepepv2 does not support
-            (:func:`megatron_deepepv2.megatron_config.check_megatron_config`).
+            (:func:`megatron_deepepv2.mcore.megatron_config.check_megatron_config`).
     """
     if getattr(config, "moe_flex_dispatcher_backend", None) == BACKEND_NAME:
         check_megatron_config(config)
@@ -215,7 +215,7 @@ def _make_dispatcher_class():
         MoETokenDispatcher,
     )
 
-    from megatron_deepepv2.manager import _DeepepV2Manager  # noqa: PLC0415
+    from megatron_deepepv2.mcore.manager import _DeepepV2Manager  # noqa: PLC0415
 
     class DeepepV2FlexTokenDispatcher(MoEFlexTokenDispatcher):
         """Megatron's flex dispatcher with the ``deepepv2`` backend added; other backends unchanged."""
@@ -311,8 +311,9 @@ def _patch_moe_layer_expert_check() -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs) -> None:
         from megatron_deepepv2.config import get_settings  # noqa: PLC0415
-        from megatron_deepepv2.experts import check_experts_take_device_counts, sync_free_submodules  # noqa: PLC0415
-        from megatron_deepepv2.manager import dispatch_config_for  # noqa: PLC0415
+        from megatron_deepepv2.mcore.experts import (check_experts_take_device_counts,  # noqa: PLC0415
+                                                     sync_free_submodules)
+        from megatron_deepepv2.mcore.manager import dispatch_config_for  # noqa: PLC0415
 
         config = kwargs["config"] if "config" in kwargs else args[0]
         deepepv2 = is_deepepv2(config)

@@ -43,14 +43,15 @@ import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-from megatron_deepepv2 import expert_kernels, megatron_config
+from megatron_deepepv2 import expert_kernels
+from megatron_deepepv2.mcore import megatron_config
 
 logger = logging.getLogger(__name__)
 _warned_never_run_op_fuser = False
 
 NO_HOST_SYNC_EXPERTS_HINT = (
     "With MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 the experts must take tokens_per_expert as a device tensor: use "
-    "megatron_deepepv2.experts.SyncFreeSequentialMLP as the experts module of the layer spec (for an unchanged "
+    "megatron_deepepv2.mcore.experts.SyncFreeSequentialMLP as the experts module of the layer spec (for an unchanged "
     "script with the local or Transformer Engine spec: MEGATRON_DEEPEPV2_EXPERTS=sync_free), or unset "
     "MEGATRON_DEEPEPV2_NO_HOST_SYNC."
 )

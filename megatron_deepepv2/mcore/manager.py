@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
-from megatron_deepepv2 import bounded_receive, megatron_config, ops
+from megatron_deepepv2 import ops
 from megatron_deepepv2.backends.base import SYNC, DispatchConfig, DispatchHandle
 from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.layout import ExpertLayout, receive_bound_rows
+from megatron_deepepv2.mcore import bounded_receive, megatron_config
 
 logger = logging.getLogger(__name__)
 _warned_low_precision_probs = False
@@ -23,8 +24,8 @@ _warned_low_precision_probs = False
 
 def dispatch_config_for(config: Any) -> DispatchConfig:
     """The dispatch configuration of Megatron ``config``, resolved once and cached on it (layers of one config share
-    it): expand layout (padding rows zero), :func:`~megatron_deepepv2.megatron_config.alignment_for`,
-    :func:`~megatron_deepepv2.megatron_config.configured_num_sms` (else the setting),
+    it): expand layout (padding rows zero), :func:`~.megatron_config.alignment_for`,
+    :func:`~.megatron_config.configured_num_sms` (else the setting),
     deterministic with the setting or ``config.deterministic_mode``; no id check, weight masking or tail clearing.
 
     Args:
@@ -142,8 +143,8 @@ class _DeepepV2Manager(_DispatchManager):
         return min(bound, handle.num_recv_rows)
 
     def _apply_receive_bound(self, recv_x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Returns the experts' rows under :meth:`receive_bound` (:func:`~megatron_deepepv2.bounded_receive.
-        keep_bounded_rows`), counting dropped selections in ``dropped_rows`` / ``over_budget`` on the device."""
+        """Returns the experts' rows under :meth:`receive_bound` (:func:`~.bounded_receive.keep_bounded_rows`),
+        counting dropped selections in ``dropped_rows`` / ``over_budget`` on the device."""
         bound = self.receive_bound(handle)
         if not hasattr(self, "over_budget"):  # made lazily: Megatron's budget hooks test hasattr
             self.over_budget = torch.zeros(1, dtype=torch.bool, device=recv_x.device)
