@@ -8,6 +8,6 @@
 * :mod:`.run` -- the launch entry for unchanged training scripts (installs the backend, then runs the script):
   ``python -m megatron_deepepv2.cli.run SCRIPT [ARGS...]``.
 
-The old commands (``python -m megatron_deepepv2.doctor`` and the like) still work: each is a compatibility entry
-point that runs the tool here. This file imports nothing: importing one tool runs no other.
+These are the only commands: ``python -m megatron_deepepv2.cli.TOOL``. This file imports nothing: importing one tool
+runs no other.
 """

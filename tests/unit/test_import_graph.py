@@ -338,8 +338,8 @@ def test_the_hot_path_stays_flat_one_way_and_short(tmp_path, capsys):
     assert not too_long, too_long
 
 
-#: The command-line tools: the cli subpackage and the compatibility entry points of their old commands.
-TOOLS = ("cli", "doctor", "install_deepep", "demo", "run")
+#: The command-line tools: the cli subpackage.
+TOOLS = ("cli",)
 
 
 def test_the_library_stands_apart_from_its_tools(tmp_path, capsys):
@@ -357,7 +357,21 @@ def test_the_library_stands_apart_from_its_tools(tmp_path, capsys):
         capsys.readouterr().out
     floors = json.loads(whole.read_text())["floors"]
     tools_floor = min(number for number, floor in enumerate(floors, 1)
-                      if any(name.split(".")[0] in TOOLS and name not in ("cli", "cli.doctor", "cli.install_deepep",
-                                                                           "doctor", "install_deepep")
+                      if any(name.split(".")[0] in TOOLS and name not in ("cli", "cli.doctor", "cli.install_deepep")
                              for name in floor["modules"]))
     assert tools_floor > 7, floors  # the tools that import the library stand above it
+
+
+def test_the_package_stands_in_few_rooms_on_few_floors(tmp_path, capsys):
+    """Drawn by rooms (each root module and each subpackage, whole): at most 18 rooms on at most 9 floors, no arrow
+    back up between rooms, and at most 12 modules at the package root (its ``__init__`` included); the DeepEP backend
+    and what only it uses stand in ``backends``, what serves only Megatron in ``mcore``."""
+    out = tmp_path / "rooms.json"
+    assert import_graph.main(["--rooms", "--json", str(out), "--max-floors", "9", "--max-arrows-up", "0"]) == 0, \
+        capsys.readouterr().out
+    rooms = json.loads(out.read_text())["rooms"]
+    assert rooms["count"] <= 18 and len(rooms["root_modules"]) <= 12, rooms
+    assert {"backends", "cli", "mcore", "testing"} <= set(rooms["subpackages"]), rooms
+    moved = {"deepep_lines", "receive_order", "sizing", "topology", "integration", "manager", "megatron_config",
+             "experts", "bounded_receive", "doctor", "demo", "install_deepep", "run"}
+    assert not moved & set(rooms["root_modules"]), rooms
