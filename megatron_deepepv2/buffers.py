@@ -1,9 +1,9 @@
 """Buffer lifecycle: the one registry of this process's communication buffers.
 
 One buffer lives per (backend, process group, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`), kept in the
-group's :class:`~megatron_deepepv2.groups.GroupState`. Builds are collective, never run in CUDA-graph capture, and
-agree on :data:`~megatron_deepepv2.backends.base.BUILD_AGREEMENT` over the ranks. A rebuild for more tokens retires the
-old buffer: its handles keep working until :func:`release_retired_buffers` (or a build) finds no rank uses it.
+group's :class:`~megatron_deepepv2.groups.GroupState`. Builds are collective, never run in CUDA-graph capture, and agree
+on :attr:`~megatron_deepepv2.backends.base.BufferSpec.agreed` over the ranks. A rebuild for more tokens retires the old
+buffer: its handles keep working until :func:`release_retired_buffers` (or a build) finds no rank uses it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.backends.base import BUILD_AGREEMENT
 from megatron_deepepv2.failures import (PeerFailure, all_reduce_max, announce_failure, begin_build, group_call,
                                         raise_on_every_rank, rendezvous)
 from megatron_deepepv2.groups import GroupState, known_groups, next_power_of_two, state_of
@@ -74,7 +73,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
     Args:
         backend_cls: Backend class to build.
         group: Expert-parallel process group.
-        spec: What to build for; its ``num_max_tokens_per_rank`` is ignored (the token limit is decided here).
+        spec: What to build, for ``backend_cls``; its ``num_max_tokens_per_rank`` is ignored (the limit is set here).
         num_tokens: Tokens this call dispatches.
         state: The state of ``group``, where the caller holds it (else looked up).
 
@@ -95,8 +94,8 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
     _meet_to_build(backend_cls.name, group, spec, num_tokens, current)
     # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
     # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
-    largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, fields=BUILD_AGREEMENT,
-                                  values=spec.agreement(), purpose="buffer builds")
+    largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, fields=spec.agreed,
+                                  values=[agreed.encode(spec) for agreed in spec.agreed], purpose="buffer builds")
     if state.retired:
         _release(group, state)
     configured = spec.settings.num_max_tokens_per_rank

@@ -170,7 +170,8 @@ class Dispatcher:
         if spec is None:
             data, scales = split_hidden(x)
             spec = self._checked[self.config, signature] = BufferSpec(
-                data.shape[1], topk_idx.shape[1], 0, settings, fp8=scales is not None or settings.fp8_dispatch)
+                data.shape[1], topk_idx.shape[1], 0, settings, scales is not None or settings.fp8_dispatch,
+                self.config.backend)
         self._signature, self._spec = signature, spec
         return buffers.get_buffer(self.config.backend, self.group, spec, num_tokens, self.call.state)
 

@@ -73,7 +73,7 @@ class DispatchConfig:
             mode, or_sync = ("", "") if settings.host_sync else (" without host sync",
                                                                  ", or MEGATRON_DEEPEPV2_NO_HOST_SYNC")
             raise ValueError(f"Deterministic mode{mode} is not available on the {self.backend.name} backend as "
-                             f"installed: {reason} Install DeepEP 2.1.0 or V2.5, or turn off deterministic mode "
+                             f"installed: {reason} Otherwise, turn off deterministic mode "
                              f"(MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode){or_sync}.")
 
     def __hash__(self) -> int:
@@ -99,14 +99,12 @@ def _how_to_set_config_field(f: Field) -> str:
     return f"Pass it to DispatchConfig, or {given} to resolve_config() or dispatch()"
 
 
-#: What the ranks of a group agree on when they build a buffer, and what keeps buffers apart: the buffer's key
-#: (:attr:`BufferSpec.key`) is these values, the build's agreement vector their integers, its error their names.
-#: ``num_sms`` is not among them: DeepEP takes it per call, so one buffer serves every SM count (docs/internals.md).
+#: What the ranks agree on at a build of any backend (then its :attr:`DispatchBackend.extra_agreement`): the buffer's
+#: key (:attr:`BufferSpec.key`) is their values, the agreement their integers, its error their names; not ``num_sms``.
 BUILD_AGREEMENT: tuple[AgreedField, ...] = (
     AgreedField("hidden size", lambda spec: spec.hidden),
     AgreedField("top-k", lambda spec: spec.num_topk),
     AgreedField("FP8", lambda spec: spec.fp8, yes_no),
-    AgreedField("allow_hybrid_mode", lambda spec: spec.settings.allow_hybrid_mode, yes_no),
 )
 
 
@@ -114,11 +112,10 @@ BUILD_AGREEMENT: tuple[AgreedField, ...] = (
 class BufferSpec:
     """What a communication buffer is built for: hidden size ``H``, top-k ``K``, the most tokens any rank dispatches in
     one call (the same on every rank), whether dispatches send FP8 rows (sizing is BF16's: combine's backward sends
-    BF16 rows), and the settings of the dispatches.
+    BF16 rows), the settings of the dispatches, and the backend class (None: the contract's agreement only).
 
     Attributes:
-        key: What buffers are kept apart by, and what the ranks agree on at a build: the values of
-            :data:`BUILD_AGREEMENT`.
+        key: What buffers are kept apart by, and what the ranks agree on at a build: the values of :attr:`agreed`.
     """
 
     hidden: int
@@ -126,14 +123,14 @@ class BufferSpec:
     num_max_tokens_per_rank: int
     settings: DeepepV2Settings = field(default_factory=DeepepV2Settings, compare=False)
     fp8: bool = False
+    backend: Optional[type["DispatchBackend"]] = None
 
     def __post_init__(self) -> None:
         # Read on every dispatch (the buffer registry's key): computed once.
-        object.__setattr__(self, "key", tuple(agreed.read(self) for agreed in BUILD_AGREEMENT))
+        object.__setattr__(self, "key", tuple(agreed.read(self) for agreed in self.agreed))
 
-    def agreement(self) -> list[int]:
-        """The integers the ranks agree on at a build of this spec, in :data:`BUILD_AGREEMENT`'s order."""
-        return [agreed.encode(self) for agreed in BUILD_AGREEMENT]
+    agreed = property(lambda self: BUILD_AGREEMENT + (self.backend.extra_agreement if self.backend else ()),
+                      doc="What the ranks agree on at a build: :data:`BUILD_AGREEMENT`, then the backend's own.")
 
 
 @dataclass(frozen=True)
@@ -150,7 +147,7 @@ class BackendLimits:
 
 
 class Streams(NamedTuple):
-    """How a call orders DeepEP's communication stream: ``async_finish`` runs it asynchronously (the call still makes
+    """How a call orders the communication stream: ``async_finish`` runs it asynchronously (the call still makes
     the current stream wait for it), ``allocate_on_comm_stream`` allocates outputs there (with ``async_finish``)."""
 
     async_finish: bool = False
@@ -255,6 +252,8 @@ class DispatchBackend(ABC):
 
     name: ClassVar[str]  #: registry name
     limits: ClassVar[BackendLimits]
+    #: What else the ranks agree on at a build, also in :attr:`BufferSpec.key`: what construction reads off settings.
+    extra_agreement: ClassVar[tuple[AgreedField, ...]] = ()
     #: Order of preference of backend ``auto``: the usable backend with the lowest value is chosen.
     auto_preference: ClassVar[int] = 100
 
@@ -268,8 +267,7 @@ class DispatchBackend(ABC):
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        """Returns why this backend cannot run in this process (what is missing, how to fix it), or None when it
-        can."""
+        """Returns why this backend cannot run in this process (what is missing, how to fix it), or None when it can."""
 
     @classmethod
     def deterministic_order_unavailable_reason(cls, host_sync: bool) -> Optional[str]:

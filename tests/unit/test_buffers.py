@@ -17,6 +17,12 @@ def _dispatch(num_tokens: int, hidden: int, topk: int = 2, **kwargs):
 
 
 def _lifecycle_worker(rank: int, world: int) -> dict:
+    # On the DeepEP backend (over its stand-in), whose buffers are also kept apart by hybrid mode, a construction
+    # argument it adds to what the ranks agree on at a build (DeepEPBackend.extra_agreement).
+    from tests.unit.test_deepep_adapter import use_stand_in_backend
+
+    use_stand_in_backend()
+    dv2.configure(backend="deepep")
     stats = buffers.buffer_stats()
     # First build: capacity = largest first batch over the ranks (5 on rank 1), rounded to a power of two.
     first = _dispatch(3 + 2 * rank, hidden=8).handle.buffer
@@ -40,7 +46,7 @@ def _lifecycle_worker(rank: int, world: int) -> dict:
     assert _dispatch(2, hidden=8).handle.buffer is first and stats.builds == 2
     # The SM count is a per-call argument, not a build argument: another one shares the buffer, builds nothing.
     assert _dispatch(2, hidden=8, num_sms=12).handle.buffer is first and stats.builds == 2
-    # Hybrid mode is a construction argument (BUILD_AGREEMENT): another value is a buffer of its own.
+    # Hybrid mode is a construction argument (DeepEPBackend.extra_agreement): another value is a buffer of its own.
     hybrid_off = _dispatch(2, hidden=8, allow_hybrid_mode=False).handle.buffer
     assert hybrid_off is not first and hybrid_off.spec.key == (8, 2, False, False) and stats.builds == 3
     assert first.spec.key == (8, 2, False, None)  # hidden size, top-k, FP8, allow_hybrid_mode
@@ -226,3 +232,43 @@ def _release_worker(rank: int, world: int) -> dict:
 
 def test_retired_buffers_are_released_at_the_first_step_no_handle_uses_them() -> None:
     assert run_distributed(_release_worker, 2) == [{"released": 1}, {"released": 1}]
+
+
+def test_what_the_ranks_agree_on_is_the_contracts_then_the_backends_own() -> None:
+    """What keeps buffers apart and what the ranks agree on at a build is the contract's ``BUILD_AGREEMENT``, which
+    every backend shares, then the backend's ``extra_agreement``: DeepEP's hybrid mode (a construction argument of
+    its buffer) is part of the DeepEP backend's key and no other's; a spec without a backend has the contract's
+    alone; a new backend adds its own fields the same way."""
+    from megatron_deepepv2.backends.base import BUILD_AGREEMENT, BufferSpec, DispatchBackend
+    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.reference import ReferenceBackend
+    from megatron_deepepv2.config import DeepepV2Settings
+    from megatron_deepepv2.groups import AgreedField
+
+    assert [agreed.name for agreed in BUILD_AGREEMENT] == ["hidden size", "top-k", "FP8"]
+    assert DispatchBackend.extra_agreement == () and ReferenceBackend.extra_agreement == ()
+    off = DeepepV2Settings(allow_hybrid_mode=False)
+    assert BufferSpec(8, 2, 0, off, backend=ReferenceBackend).key == (8, 2, False)
+    assert BufferSpec(8, 2, 0, backend=ReferenceBackend).key == (8, 2, False)
+    assert BufferSpec(8, 2, 0, off, backend=DeepEPBackend).key == (8, 2, False, False)
+    spec = BufferSpec(8, 2, 0, backend=DeepEPBackend)
+    assert [agreed.name for agreed in spec.agreed] == ["hidden size", "top-k", "FP8", "allow_hybrid_mode"]
+    assert spec.key == (8, 2, False, None) and [agreed.encode(spec) for agreed in spec.agreed] == [8, 2, 0, -1]
+    assert BufferSpec(8, 2, 0, off).agreed == BUILD_AGREEMENT and BufferSpec(8, 2, 0, off).key == (8, 2, False)
+
+    class WithTimeout(ReferenceBackend):  # not registered: a class of its own, as a new backend is
+        extra_agreement = (AgreedField("growth timeout", lambda spec: spec.settings.growth_timeout_s),)
+
+    spec = BufferSpec(8, 2, 0, DeepepV2Settings(growth_timeout_s=5.0), backend=WithTimeout)
+    assert spec.key == (8, 2, False, 5.0) and [agreed.encode(spec) for agreed in spec.agreed] == [8, 2, 0, 5]
+
+
+def _hybrid_setting_worker(rank: int, world: int) -> tuple:
+    # Rank 1 turns hybrid mode off: the reference backend has no such construction argument, so its ranks build alike.
+    dv2.configure(backend="reference", validate=False, allow_hybrid_mode=False if rank == 1 else None)
+    buffer = _dispatch(3, hidden=8).handle.buffer
+    return buffer.spec.key, buffers.buffer_stats().builds
+
+
+def test_a_deepep_setting_keeps_no_reference_buffers_apart() -> None:
+    assert run_distributed(_hybrid_setting_worker, 2) == [((8, 2, False), 1), ((8, 2, False), 1)]

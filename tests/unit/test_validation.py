@@ -298,6 +298,11 @@ def test_each_failure_is_reported_with_its_own_cause() -> None:
 def _unlike_inputs(rank: int, world: int, field: str, validate: bool = True) -> tuple[str, str]:
     """Rank 1 dispatches inputs unlike the others' in ``field``."""
     dv2.configure(validate=validate)
+    if field == "allow_hybrid_mode":  # a construction argument of the DeepEP backend, agreed on at its builds
+        from tests.unit.test_deepep_adapter import use_stand_in_backend
+
+        use_stand_in_backend()
+        dv2.configure(backend="deepep")
     x, idx, w = _good(rank)
     if rank == 1:
         if field == "dtype":
@@ -338,9 +343,9 @@ def test_ranks_that_dispatch_unlike_inputs_all_raise_naming_them(world: int, fie
 @pytest.mark.parametrize("field,rank1,others", [("hidden size", "16", "8"), ("top-k", "3", "2"), ("FP8", "yes", "no"),
                                                 ("allow_hybrid_mode", "no", "auto")])
 def test_ranks_with_unlike_buffers_raise_naming_them_at_default_settings(field: str, rank1: str, others: str) -> None:
-    """Without validation the buffer's build agrees on BUILD_AGREEMENT (once, not per call): a rank whose hidden size,
-    top-k, FP8-ness or hybrid mode differs makes every rank raise naming each rank's value, instead of corrupting the
-    exchange; the message names every agreed field."""
+    """Without validation the buffer's build agrees on BUILD_AGREEMENT and the backend's own fields (once, not per
+    call): a rank whose hidden size, top-k, FP8-ness or, on the DeepEP backend, hybrid mode differs makes every rank
+    raise naming each rank's value, instead of corrupting the exchange; the message names every agreed field."""
     from megatron_deepepv2.backends.base import BUILD_AGREEMENT
 
     outcomes = run_distributed(_unlike_inputs, 2, field, False, env=DEFAULT_ENV, timeout=60)
@@ -513,6 +518,37 @@ def test_deterministic_mode_is_refused_where_the_installed_handle_lacks_what_the
                                                  f".*{re.escape(missing)}"):
                 build()
     _deterministic_config(host_sync, deterministic=False)  # nothing to order: builds
+
+
+@pytest.mark.parametrize("host_sync", [True, False])
+def test_a_refused_deterministic_mode_gives_the_backends_own_fix(monkeypatch: pytest.MonkeyPatch,
+                                                                  host_sync: bool) -> None:
+    """The contract's refusal names no backend's fix: it quotes the backend's reason, which says what to install
+    (DeepEP's: DeepEP 2.1.0 or V2.5), and adds only what holds for every backend, turning deterministic mode off."""
+    from megatron_deepepv2.backends.base import DispatchConfig
+    from megatron_deepepv2.config import DeepepV2Settings
+    from tests.unit.test_deepep_adapter import install_deep_ep_with_handle
+
+    class Unordered(ReferenceBackend):  # not registered: a backend whose receive order cannot be fixed
+        name = "unordered"
+
+        @classmethod
+        def deterministic_order_unavailable_reason(cls, host_sync: bool) -> str:
+            return "its rows arrive in any order."
+
+    settings = DeepepV2Settings(deterministic=True, host_sync=host_sync)
+    with pytest.raises(ValueError) as refused:
+        DispatchConfig(Unordered, settings)
+    message = str(refused.value)
+    assert "on the unordered backend as installed: its rows arrive in any order. Otherwise, turn off deterministic " \
+           "mode (MEGATRON_DEEPEPV2_DETERMINISTIC / Megatron's --deterministic-mode)" in message, message
+    assert "DeepEP" not in message, message
+    install_deep_ep_with_handle(monkeypatch, _HandleWithoutSort if host_sync else _HandleWithoutUnalignedCounts)
+    with pytest.raises(ValueError, match="DeepEP 2.1.0 and V2.5 do\\): install one of them. Otherwise, turn off"):
+        DispatchConfig(DeepEPBackend, settings)
+    install_deep_ep_with_handle(monkeypatch, None)
+    with pytest.raises(ValueError, match="layout is unknown: install DeepEP 2.1.0 or V2.5. Otherwise, turn off"):
+        DispatchConfig(DeepEPBackend, settings)
 
 
 @pytest.mark.parametrize("line", ["2.1", "V2.5"])

@@ -21,7 +21,7 @@ from megatron_deepepv2.backends.deepep.lines import (deepep_unavailable_reason, 
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
 from megatron_deepepv2.backends.deepep.receive_order import order_received
 from megatron_deepepv2.backends.deepep.sizing import buffer_size_arguments
-from megatron_deepepv2.backends.deepep.topology import choose_hybrid_mode, set_gin_variable_for_group
+from megatron_deepepv2.backends.deepep.topology import HYBRID_MODE_FIELD, choose_hybrid_mode, set_gin_variable_for_group
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class DeepEPBackend(DispatchBackend):
         dispatch_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,),
         combine_hidden_multiple=256,  # combine kernel static assert kHidden % 256
         fp8_hidden_multiple=32, max_topk=32, requires_cuda=True)  # FP8: TMA needs hidden bytes % 32
+    extra_agreement = (HYBRID_MODE_FIELD,)  # construction arguments from the settings
 
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
         super().__init__(group, spec)

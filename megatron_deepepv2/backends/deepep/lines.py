@@ -249,15 +249,18 @@ def handle_order_unavailable_reason(host_sync: bool) -> Optional[str]:
     buffer_class = getattr(deep_ep, line_of_module(deep_ep).buffer_class)
     handle_class = getattr(sys.modules.get(buffer_class.__module__), "EPHandle", None)
     if handle_class is None:
-        return f"deep_ep has no EPHandle next to {buffer_class.__qualname__}, so its handle's layout is unknown."
+        return (f"deep_ep has no EPHandle next to {buffer_class.__qualname__}, so its handle's layout is unknown: "
+                "install DeepEP 2.1.0 or V2.5.")
     try:
         exposed = set(inspect.signature(handle_class).parameters)
     except (TypeError, ValueError):  # a compiled class: only its attributes are known
         exposed = set()
     exposed |= set(dir(handle_class))
     missing = [name for name in HANDLE_ORDER_NEEDS[host_sync] if name not in exposed]
+    if not missing:
+        return None
     return (f"deep_ep {getattr(deep_ep, '__version__', '(unknown version)')}'s {handle_class.__module__}.EPHandle "
-            f"does not expose {', '.join(missing)} (DeepEP 2.1.0 and V2.5 do)." if missing else None)
+            f"does not expose {', '.join(missing)} (DeepEP 2.1.0 and V2.5 do): install one of them.")
 
 
 def mapped_nccl_libraries() -> list[str]:

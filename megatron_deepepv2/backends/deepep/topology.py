@@ -19,11 +19,12 @@ that variable is decided from the hardware too (:func:`decide_gin`): a value the
 NIC leaves it unset (GIN on); a node without one gets ``EP_DISABLE_GIN=1`` when its group stays on one node, and an
 error naming the fix when the group spans nodes, which GIN off cannot serve.
 
-This module owns: a process's node identity (:func:`local_node_id`), the one gather of a group's identities, cached
-per group (:func:`group_node_ids`), the layout and decision as pure functions of the identities (:func:`node_layout`,
-:class:`NodeLayout`), the choice a buffer build makes (:func:`choose_hybrid_mode`), this node's RDMA devices
-(:func:`find_rdma_devices`), the nodes a launch spans (:func:`launch_num_nodes`) and the GIN decision
-(:func:`decide_gin`; :func:`set_gin_variable` applies it, :func:`set_gin_variable_for_group` for a buffer build).
+This module owns: a process's node identity (:func:`local_node_id`), the one gather of a group's identities, cached per
+group (:func:`group_node_ids`), the layout and decision as pure functions of the identities (:func:`node_layout`,
+:class:`NodeLayout`), the choice a buffer build makes (:func:`choose_hybrid_mode`) and what the ranks agree on about it
+(:data:`HYBRID_MODE_FIELD`), this node's RDMA devices (:func:`find_rdma_devices`), the nodes a launch spans
+(:func:`launch_num_nodes`) and the GIN decision (:func:`decide_gin`; :func:`set_gin_variable` applies it,
+:func:`set_gin_variable_for_group` for a buffer build).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Callable, Mapping, MutableMapping, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_deepepv2.groups import known_groups, state_of
+from megatron_deepepv2.groups import AgreedField, known_groups, state_of, yes_no
 
 #: Environment variable naming this process's NVLink domain, for clusters where hostnames do not (several hosts of one
 #: multi-node NVLink domain, or one host seen under several names). Read directly, not as a setting of
@@ -50,6 +51,9 @@ NCCL_HOST_ID_VARIABLE = "NCCL_HOSTID"
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 #: Group ranks shown in an error message's node map before it is cut short.
 _MAX_RANKS_SHOWN = 32
+#: The setting ``allow_hybrid_mode``, a construction argument of DeepEP's buffer: the ranks agree on it at a build, and
+#: buffers of other values are kept apart (an entry of the DeepEP backend's ``extra_agreement``).
+HYBRID_MODE_FIELD = AgreedField("allow_hybrid_mode", lambda spec: spec.settings.allow_hybrid_mode, yes_no)
 #: DeepEP's switch: 1 builds its buffers without NCCL GIN (read when a buffer is built, by every rank).
 GIN_VARIABLE = "EP_DISABLE_GIN"
 #: Where Linux lists this node's RDMA devices (InfiniBand and RoCE NICs alike).
