@@ -21,7 +21,9 @@ import megatron_deepepv2_conformance as plugin  # noqa: E402
 from tools import megatron_conformance  # noqa: E402
 
 # The shape of Megatron's TestFlexDispatcher: a class skipped for Megatron's own backends, cases parametrized over
-# backends and (tp, ep) pairs that need 8 ranks. Each case records what it was given; one fails without host sync.
+# backends and (tp, ep) pairs that need 8 ranks. Each case records what it was given; one fails without host sync, one
+# skips with its reason. Two are not the flex backend's to pass: one builds Megatron's NCCL-EP dispatcher itself (it
+# would fail here), and an FP8 case, which SyncFreeSequentialMLP experts must refuse (one stand-in refuses, one not).
 UPSTREAM_LIKE = textwrap.dedent("""
     import os
     import pytest
@@ -38,8 +40,18 @@ UPSTREAM_LIKE = textwrap.dedent("""
 
         @pytest.mark.skipif(True, reason="TE 1.7.0 is required for MoE with FP8.")
         @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
-        def test_router_padding_for_fp8_forward_backward(self, tp_size, ep_size):
+        def test_capacity_forward_backward(self, tp_size, ep_size):
             pass
+
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
+        def test_forward_backward_zero_copy(self, tp_size, ep_size):
+            raise AssertionError("NCCL EP dispatcher requires TPxEP > 1")
+
+        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
+        @pytest.mark.parametrize("refuses", [True, False])
+        def test_router_padding_for_fp8_forward_backward(self, tp_size, ep_size, refuses):
+            if refuses and os.environ.get("MEGATRON_DEEPEPV2_EXPERTS") == "sync_free":
+                raise ValueError("SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; drop --fp8-format")
 """)
 
 
@@ -58,24 +70,38 @@ def test_pairs_are_upstreams_that_fit_else_the_whole_world(world: int, pairs: li
 
 
 def test_runner_fails_on_a_failed_case_and_lists_skips_with_reasons(megatron_tree: Path, tmp_path: Path) -> None:
-    """One rank: the flex class's cases get deepepv2 and (1, 1), and its class skip is gone; the configuration's
-    settings reach the tests; a failure fails the run, the skip is listed with its reason."""
+    """One rank, with and without host sync: the flex class's cases get deepepv2 and (1, 1), and its class skip is
+    gone; the configuration's settings reach the tests; a failure fails the run, a skip is listed with its reason; the
+    NCCL-EP case skips saying what it builds; without host sync (sync-free experts) an FP8 case must fail with the
+    package's refusal, and one that does not fails the run; with host sync FP8 cases run as they are."""
     out = tmp_path / "out"
     done = subprocess.run([preloaded_python.python(), str(ROOT / "tools" / "megatron_conformance.py"), "--megatron-lm",
-                           str(megatron_tree), "--backends", "reference", "--host-sync", "off", "--nproc", "1",
+                           str(megatron_tree), "--backends", "reference", "--host-sync", "on", "off", "--nproc", "1",
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     document = json.loads((out / "megatron_conformance.json").read_text())
-    (run,) = document["runs"].values()
-    cases = {case.split("::", 1)[1]: result for case, result in run["cases"].items()}
-    assert sorted(run["cases"]) == ["TestFlexDispatcher::test_forward_backward[False-deepepv2-1-1]",
-                                    "TestFlexDispatcher::test_router_padding_for_fp8_forward_backward[1-1]"], \
-        run["cases"]
-    assert cases["test_forward_backward[False-deepepv2-1-1]"]["outcome"] == "failed"
-    assert "fails without host sync" in cases["test_forward_backward[False-deepepv2-1-1]"]["detail"]
-    padding = cases["test_router_padding_for_fp8_forward_backward[1-1]"]
-    assert padding == {**padding, "outcome": "skipped", "detail": "TE 1.7.0 is required for MoE with FP8."}
-    assert "reference-nohostsync: 1 failed" in document["verdict"] and "1 failed" in done.stderr
+    assert sorted(document["runs"]) == ["reference-hostsync", "reference-nohostsync"], document["runs"]
+    for name, run in document["runs"].items():
+        cases = {case.split("::", 1)[1]: result for case, result in run["cases"].items()}
+        assert sorted(cases) == ["test_capacity_forward_backward[1-1]", "test_forward_backward[False-deepepv2-1-1]",
+                                 "test_forward_backward_zero_copy[1-1]",
+                                 "test_router_padding_for_fp8_forward_backward[False-1-1]",
+                                 "test_router_padding_for_fp8_forward_backward[True-1-1]"], run["cases"]
+        capacity = cases["test_capacity_forward_backward[1-1]"]
+        assert capacity == {**capacity, "outcome": "skipped", "detail": "TE 1.7.0 is required for MoE with FP8."}
+        zero_copy = cases["test_forward_backward_zero_copy[1-1]"]
+        assert zero_copy["outcome"] == "skipped" and "not a deepepv2 case: tests Megatron's NCCL-EP dispatcher" in \
+            zero_copy["detail"], cases
+        forward = cases["test_forward_backward[False-deepepv2-1-1]"]
+        refusing, accepting = (cases[f"test_router_padding_for_fp8_forward_backward[{refuses}-1-1]"]
+                               for refuses in ("True", "False"))
+        if name == "reference-hostsync":
+            assert forward["outcome"] == refusing["outcome"] == accepting["outcome"] == "passed", cases
+        else:
+            assert forward["outcome"] == "failed" and "fails without host sync" in forward["detail"], cases
+            assert refusing["outcome"] == "skipped" and "refuses FP8 experts" in refusing["detail"], cases
+            assert accepting["outcome"] == "failed", cases  # the refusal must happen
+    assert "reference-nohostsync: 2 failed" in document["verdict"] and "2 failed" in done.stderr, document["verdict"]
 
 
 def test_reports_fail_a_case_that_failed_on_any_rank(tmp_path: Path) -> None:
@@ -98,47 +124,3 @@ def test_runs_without_host_sync_take_the_sync_free_experts() -> None:
     assert without == {"MEGATRON_DEEPEPV2_BACKEND": "deepep", "MEGATRON_DEEPEPV2_NO_HOST_SYNC": "1",
                        "MEGATRON_DEEPEPV2_EXPERTS": "sync_free"}
 
-
-# Upstream cases that are not the flex backend's to pass: one builds Megatron's NCCL-EP dispatcher itself (it would
-# fail here), and an FP8 case, which SyncFreeSequentialMLP experts must refuse (one stand-in refuses, one does not).
-NOT_FLEX_CASES = textwrap.dedent("""
-    import os
-    import pytest
-
-    class TestFlexDispatcher:
-        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
-        def test_forward_backward_zero_copy(self, tp_size, ep_size):
-            raise AssertionError("NCCL EP dispatcher requires TPxEP > 1")
-
-        @pytest.mark.parametrize("tp_size,ep_size", [(1, 8)])
-        @pytest.mark.parametrize("refuses", [True, False])
-        def test_router_padding_for_fp8_forward_backward(self, tp_size, ep_size, refuses):
-            if refuses and os.environ.get("MEGATRON_DEEPEPV2_EXPERTS") == "sync_free":
-                raise ValueError("SyncFreeSequentialMLP runs BF16/FP32 grouped GEMMs; drop --fp8-format")
-""")
-
-
-def test_cases_of_another_backend_skip_and_fp8_cases_must_meet_the_sync_free_refusal(tmp_path: Path) -> None:
-    """The NCCL-EP case skips saying what it builds; without host sync (sync-free experts) an FP8 case must fail with
-    the package's refusal, and one that does not fails the run; with host sync FP8 cases run as they are."""
-    test_file = tmp_path / "tree" / megatron_conformance.TEST_FILE
-    test_file.parent.mkdir(parents=True)
-    test_file.write_text(NOT_FLEX_CASES)
-    out = tmp_path / "out"
-    done = subprocess.run([preloaded_python.python(), str(ROOT / "tools" / "megatron_conformance.py"), "--megatron-lm",
-                           str(tmp_path / "tree"), "--backends", "reference", "--host-sync", "on", "off", "--nproc",
-                           "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    runs = json.loads((out / "megatron_conformance.json").read_text())["runs"]
-    for name, run in runs.items():
-        cases = {case.split("::", 1)[1]: result for case, result in run["cases"].items()}
-        zero_copy = cases["test_forward_backward_zero_copy[1-1]"]
-        assert zero_copy["outcome"] == "skipped" and "not a deepepv2 case: tests Megatron's NCCL-EP dispatcher" in \
-            zero_copy["detail"], cases
-        refusing, accepting = (cases[f"test_router_padding_for_fp8_forward_backward[{refuses}-1-1]"]
-                               for refuses in ("True", "False"))
-        if name == "reference-hostsync":
-            assert refusing["outcome"] == accepting["outcome"] == "passed", cases
-        else:
-            assert refusing["outcome"] == "skipped" and "refuses FP8 experts" in refusing["detail"], cases
-            assert accepting["outcome"] == "failed", cases  # the refusal must happen
-    assert sorted(runs) == ["reference-hostsync", "reference-nohostsync"] and done.returncode == 1, done.stderr
