@@ -1375,17 +1375,30 @@ TE_FIGURES: list[Figure] = [
 FIGURES += TE_FIGURES
 
 
-@pytest.mark.parametrize("figure", FIGURES, ids=[f"{figure.doc}-{i:03d}" for i, figure in enumerate(FIGURES)])
-def test_the_doc_quotes_the_json(figure: Figure) -> None:
-    """The doc contains the figure's text with the values the JSONs give, and names those JSONs."""
+def mismatches(figure: Figure) -> list[str]:
+    """What is wrong with one figure: the doc lacks its text with the JSONs' values, or does not name those JSONs."""
     expected = figure.expected()
-    assert expected in doc_text(figure.doc), (
-        f"{figure.doc} does not contain the figures of {sorted(_files(figure.values))}:\n  expected: {expected}")
+    problems = []
+    if expected not in doc_text(figure.doc):
+        problems.append(f"{figure.doc} does not contain the figures of {sorted(_files(figure.values))}:\n"
+                        f"  expected: {expected}")
     naming = figure.named_in or figure.doc
-    if figure.named_in:
-        assert f"]({'docs/' if figure.doc == 'README.md' else ''}{figure.named_in})" in doc_text(figure.doc)
+    if figure.named_in and f"]({'docs/' if figure.doc == 'README.md' else ''}{figure.named_in})" not in \
+            doc_text(figure.doc):
+        problems.append(f"{figure.doc} does not link {figure.named_in}, which names the JSONs of: {expected}")
     unnamed = _files(figure.values) - named_jsons(doc_text(naming))
-    assert not unnamed, f"{naming} quotes {sorted(unnamed)} without naming it"
+    if unnamed:
+        problems.append(f"{naming} quotes {sorted(unnamed)} without naming it")
+    return problems
+
+
+# One test per doc (each lists every figure of its doc that is wrong): a test per figure would spend more time in
+# pytest's own bookkeeping than in the check.
+@pytest.mark.parametrize("doc", sorted({figure.doc for figure in FIGURES}))
+def test_the_doc_quotes_the_json(doc: str) -> None:
+    """The doc contains each figure's text with the values the JSONs give, and names those JSONs."""
+    problems = [problem for figure in FIGURES if figure.doc == doc for problem in mismatches(figure)]
+    assert not problems, "\n".join(problems)
 
 
 DOCS_THAT_NAME_JSONS = ["README.md", *sorted(p.name for p in DOCS.glob("*.md")),
@@ -1404,7 +1417,7 @@ def test_a_changed_figure_fails() -> None:
     figure = fig("benchmarks.md", "| NVLink peer-to-peer peak (1 GiB send) | {:.1f} GB/s |", J(EP2, "nvlink_peak_GBs"))
     assert figure.expected() in doc_text("benchmarks.md")
     changed = Figure(figure.doc, figure.text, (scaled(figure.values[0], 1.001),))
-    assert changed.expected() not in doc_text("benchmarks.md")
+    assert changed.expected() not in doc_text("benchmarks.md") and mismatches(changed) and not mismatches(figure)
     assert named_jsons("see `docs/gone.json` and run{1,2}.json; runs/x/y.json, TRACE.json.gz, a.jsonl") == {
         "gone.json", "run1.json", "run2.json"}
 
