@@ -740,17 +740,11 @@ FIGURES: list[Figure] = [
     *[hot_ratios_row(doc_label, file, label, layout)
       for doc_label, file, label in HOT_LABELS for layout in ("compact", "expand")],
     fig("benchmarks.md", "`raw_autograd` costs {:.0f}-{:.0f} us more than `raw` at T4096 H4096 (both runs)",
-        lowest(*[difference(hot(f, layout, "raw_autograd", "T4096 H4096 E64 top8"),
-                            hot(f, layout, "raw", "T4096 H4096 E64 top8"))
-                 for f in (HOT, HOT_SECOND) for layout in ("compact", "expand")]),
-        highest(*[difference(hot(f, layout, "raw_autograd", "T4096 H4096 E64 top8"),
+        *min_max([difference(hot(f, layout, "raw_autograd", "T4096 H4096 E64 top8"),
                              hot(f, layout, "raw", "T4096 H4096 E64 top8"))
                   for f in (HOT, HOT_SECOND) for layout in ("compact", "expand")])),
     fig("benchmarks.md", "`record_stream` of every tensor cost {:.0f}-{:.0f} us per step there",
-        lowest(*[difference(hot(f, layout, "ops_manager_streams", "T4096 H4096 E64 top8"),
-                            hot(f, layout, "ops_manager", "T4096 H4096 E64 top8"))
-                 for f in (HOT, HOT_SECOND) for layout in ("compact", "expand")]),
-        highest(*[difference(hot(f, layout, "ops_manager_streams", "T4096 H4096 E64 top8"),
+        *min_max([difference(hot(f, layout, "ops_manager_streams", "T4096 H4096 E64 top8"),
                              hot(f, layout, "ops_manager", "T4096 H4096 E64 top8"))
                   for f in (HOT, HOT_SECOND) for layout in ("compact", "expand")])),
     fig("benchmarks.md", "`ops_manager/raw` is {:.2f}-{:.2f} (no target)",
