@@ -26,7 +26,7 @@ LONG_TESTS = {
     "tests/unit/test_demo.py::": 10,
     "tests/unit/test_spawn_on_free_port.py::": 4,
     "tests/unit/test_legacy_deepep.py::test_install_exposes_the_legacy_buffer": 5,
-    "tests/unit/test_megatron_conformance.py::test_runner_fails_on_a_failed_case": 9,
+    "tests/unit/test_megatron_conformance.py::test_runner_fails_on_a_failed_case": 12,
     "tests/unit/test_readme.py::test_python_blocks_run": 8,
     "tests/unit/test_run_entry_point.py::test_example_launch_parses_and_validates": 8,
     "tests/unit/test_checkpoints.py::": 12,
@@ -38,6 +38,11 @@ LONG_TESTS = {
     "tests/unit/test_bench_hot_path.py::test_without_a_gpu_it_says_what_it_needs": 4,
     "tests/unit/test_distributed_harness.py::test_a_hung_rank_fails_after_the_timeout_with_its_stack": 4,
     "tests/unit/test_gpu_jobs.py::test_waiting_for_the_lock_does_not_count_against_the_timeout": 3,
+    "tests/unit/test_megatron_integration.py::test_deepepv2_dispatch_preprocess_is_not_compiled": 18,
+    "tests/unit/test_train_gpt.py::test_rounds_launch_each_model_and_variant": 17,
+    "tests/unit/test_run_entry_point.py::test_example_deepseek_v3_router_model": 14,
+    "tests/unit/test_train_gpt.py::test_recorder_ends_the_process": 6,
+    "tests/unit/test_cli_entry_points.py::test_importing_a_tool_loads_no_other_tool": 6,
     # GPU jobs (skipped at once without GPUs): the GPU must be busy from the start. The README's GPU blocks come first:
     # their installer runs alone (tests/gpu_jobs.py), before the jobs that share the GPU.
     "tests/unit/test_readme.py::test_gpu_blocks_run_on_a_gpu_machine": 1100,
