@@ -123,7 +123,7 @@ def _raw_buffer(handle: Any) -> tuple[Any, dict[str, Any], int]:
         the installed DeepEP line), and the SM count its dispatches use.
     """
     backend = handle.buffer
-    return backend.buffer, dict(backend.line.dispatch_kwargs), backend.line.num_sms(handle.config.settings.num_sms)
+    return backend.ep_buffer, dict(backend.line.dispatch_kwargs), backend.line.num_sms(handle.config.settings.num_sms)
 
 
 @dataclass(frozen=True)

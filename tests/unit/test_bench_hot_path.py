@@ -58,7 +58,7 @@ def test_the_raw_buffer_is_read_from_the_backend_in_one_place() -> None:
     buffer = object()
     # The backend keeps the extra arguments with the calls of its DeepEP line.
     line = SimpleNamespace(dispatch_kwargs=(("do_handle_copy", False),), num_sms=lambda requested: requested + 1)
-    handle = SimpleNamespace(buffer=SimpleNamespace(buffer=buffer, line=line),
+    handle = SimpleNamespace(buffer=SimpleNamespace(ep_buffer=buffer, line=line),
                              config=SimpleNamespace(settings=SimpleNamespace(num_sms=7)))
     # The SM count is the line's for the configuration's (a per-call argument of DeepEP).
     assert bench_hot_path._raw_buffer(handle) == (buffer, {"do_handle_copy": False}, 8)

@@ -528,8 +528,8 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     spec = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=32, settings=DeepepV2Settings(num_sms=23))
     sms = 24 if line == "V2.5" else 23  # V2.5 runs an even count; the backend rounds it itself
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
-    assert isinstance(backend.buffer, stand_in) and backend.line.num_sms(23) == sms
-    assert backend.buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
+    assert isinstance(backend.ep_buffer, stand_in) and backend.line.num_sms(23) == sms
+    assert backend.ep_buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
     problem = make_problem(41, [7, 0, 5, 9][:world], 8, 8, 3, dtype=torch.float32)
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows], problem.topk_weights[rows]
@@ -606,7 +606,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
                        want.recv_x[0].view(torch.uint8))
     assert torch.equal(in_dense_order(got.recv_x[1], got.handle.native), want.recv_x[1])
     backend.destroy()
-    assert backend.buffer is None
+    assert backend.ep_buffer is None
 
 
 def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
@@ -624,7 +624,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=16, settings=settings)
     config = DispatchConfig(DeepEPBackend, settings, ExpertLayout.EXPAND, expert_alignment=2)
     backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
-    assert backend.buffer.ctor["deterministic"] is False  # the backend orders the rows itself
+    assert backend.ep_buffer.ctor["deterministic"] is False  # the backend orders the rows itself
     problem = make_problem(43, [5, 3], 8, 4, 2, dtype=torch.float32)
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows].clone().requires_grad_(), problem.topk_idx[rows], problem.topk_weights[rows]
@@ -633,7 +633,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
         assert torch.utils.deterministic.fill_uninitialized_memory
         recv_x, _, _, _, handle = ops.DispatchFunction.apply(x, w, ops.bind(config, group_of(), 4), idx, None,
                                                              Streams(True, True))
-        assert handle.buffer.buffer.ctor["deterministic"] is False  # the registry's buffer: the backend sorts
+        assert handle.buffer.ep_buffer.ctor["deterministic"] is False  # the registry's buffer: the backend sorts
         y = ops.CombineFunction.apply(recv_x * 2, handle, Streams(True, True))
         y.sum().backward()
         assert torch.utils.deterministic.fill_uninitialized_memory  # restored after every call
@@ -722,7 +722,7 @@ def _backend_order_worker(rank: int, world: int, line: str) -> int:
     backends = {hybrid: DeepEPBackend(group_of(), BufferSpec(
         hidden=HIDDEN, num_topk=TOPK, num_max_tokens_per_rank=CAPACITY,
         settings=DeepepV2Settings(allow_hybrid_mode=hybrid))) for hybrid in (False, True)}
-    assert not any(b.buffer.ctor["deterministic"] for b in backends.values())
+    assert not any(b.ep_buffer.ctor["deterministic"] for b in backends.values())
     cases = 0
     for seed, tokens in enumerate(ORDER_TOKENS):
         problem = _order_problem(seed, tokens)

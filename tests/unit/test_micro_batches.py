@@ -61,7 +61,7 @@ def _in_flight(rank: int, world: int, backend: str, layout: str, order: str) -> 
         torch.testing.assert_close(x.grad, dense.x_grad[rows], rtol=1e-10, atol=1e-10, msg=tag)
         torch.testing.assert_close(w.grad, dense.weights_grad[rows], rtol=1e-5, atol=1e-5, msg=tag)
         torch.testing.assert_close(experts.grad, dense.experts_grad[mine], rtol=1e-10, atol=1e-10, msg=tag)
-    stand_ins = [getattr(b, "buffer", None) for b in buffers.retired_buffers()]  # the ElasticBuffer stand-ins
+    stand_ins = [getattr(b, "ep_buffer", None) for b in buffers.retired_buffers()]  # the ElasticBuffer stand-ins
     del steps, problem, rows, x, w, experts, y  # the step is over: nothing refers to the handles any more
     # Nothing is released per call: the retired buffers wait for the next build on the group (here a layer of
     # another hidden size), which releases them collectively.

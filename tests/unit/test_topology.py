@@ -174,7 +174,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
     deepep_lines.logger.warning = lambda message, *args: warned.append(message)
     backend = DeepEPBackend(group_of(), spec)
     try:
-        return backend.buffer.ctor["allow_hybrid_mode"], any("hybrid mode" in message for message in warned)
+        return backend.ep_buffer.ctor["allow_hybrid_mode"], any("hybrid mode" in message for message in warned)
     finally:
         backend.destroy()
 

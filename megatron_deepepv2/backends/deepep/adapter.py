@@ -56,7 +56,7 @@ class DeepEPBackend(DispatchBackend):
         set_gin_variable_for_group(group)  # DeepEP reads EP_DISABLE_GIN when the buffer is built: decided before
         buffer_class = getattr(deep_ep, self.line.buffer_class)
         # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
-        self.buffer = buffer_class(
+        self.ep_buffer = buffer_class(
             group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
             deterministic=False, allow_hybrid_mode=allow_hybrid,  # deterministic mode: receive_order sorts
             allow_multiple_reduction=True, explicitly_destroy=True)  # multiple reduction: expand combine with weights
@@ -64,7 +64,7 @@ class DeepEPBackend(DispatchBackend):
 
     @property
     def num_bytes(self) -> int:
-        return self.buffer.num_bytes if self.buffer is not None else 0
+        return self.ep_buffer.num_bytes if self.ep_buffer is not None else 0
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -116,7 +116,7 @@ class DeepEPBackend(DispatchBackend):
         Returns:
             The call's outputs, its event left out.
         """
-        previous_event = self.buffer.capture() if streams.async_finish and streams.allocate_on_comm_stream else None
+        previous_event = self.ep_buffer.capture() if streams.async_finish and streams.allocate_on_comm_stream else None
         with fill_guard():
             *outputs, event = method(*args, previous_event=previous_event, **kwargs)
             if streams.async_finish:
@@ -128,32 +128,33 @@ class DeepEPBackend(DispatchBackend):
         if self.line.keeps_topk_idx:  # Megatron refills it on CUDA-graph replay, before a pending backward
             topk_idx = topk_idx.clone()
         recv_x, recv_idx, recv_weights, native = self._call(
-            self.buffer.dispatch, streams, x, topk_idx=topk_idx, topk_weights=topk_weights,
+            self.ep_buffer.dispatch, streams, x, topk_idx=topk_idx, topk_weights=topk_weights,
             **self._kwargs("fresh", config, num_experts, streams))
         handle = DispatchHandle(self, config, native, topk_idx.shape[0], topk_idx.shape[1],
                                 split_hidden(recv_x)[0].shape[0])
         if config.settings.deterministic:
             recv_x, recv_idx, recv_weights, handle.receive_order = order_received(
-                recv_x, recv_idx, recv_weights, native, handle.num_topk, config.layout, config.host_sync, False, None)
+                recv_x, recv_idx, recv_weights, native, handle.num_topk, config.layout, host_sync=config.host_sync,
+                cached=False)
         return DispatchResult(recv_x, recv_idx if config.layout is ExpertLayout.COMPACT else None, recv_weights, handle)
 
     def cached_dispatch(self, x: HiddenStates, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                         streams: Streams = SYNC) -> DispatchResult:
         config, native = handle.config, handle.native
         recv_x, recv_idx, recv_weights, _ = self._call(  # num_sms from the handle: DeepEP raises on 0 with a handle
-            self.buffer.dispatch, streams, x, topk_weights=topk_weights, handle=native, num_sms=native.num_sms,
+            self.ep_buffer.dispatch, streams, x, topk_weights=topk_weights, handle=native, num_sms=native.num_sms,
             **self._kwargs("cached", config, 0, streams))
         if config.settings.deterministic:
-            recv_x, recv_idx, recv_weights, _ = order_received(recv_x, recv_idx, recv_weights, native, handle.num_topk,
-                                                               config.layout, config.host_sync, True,
-                                                               handle.receive_order)
+            recv_x, recv_idx, recv_weights, _ = order_received(
+                recv_x, recv_idx, recv_weights, native, handle.num_topk, config.layout, host_sync=config.host_sync,
+                cached=True, receive_order=handle.receive_order)
         return DispatchResult(recv_x, recv_idx if config.layout is ExpertLayout.COMPACT else None, recv_weights, handle)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 streams: Streams = SYNC) -> CombineOutput:
         native = handle.native
         combined, combined_weights = self._call(  # num_sms from the handle, as in cached_dispatch
-            self.buffer.combine, streams, x, native, topk_weights=topk_weights, num_sms=native.num_sms,
+            self.ep_buffer.combine, streams, x, native, topk_weights=topk_weights, num_sms=native.num_sms,
             **self._kwargs("combine", handle.config, 0, streams))
         return CombineOutput(combined, combined_weights)
 
@@ -174,6 +175,6 @@ class DeepEPBackend(DispatchBackend):
         return list(handle.native.num_recv_tokens_per_expert_list)
 
     def destroy(self) -> None:
-        if getattr(self, "buffer", None) is not None:
-            self.buffer.destroy()
-            self.buffer = None
+        if getattr(self, "ep_buffer", None) is not None:
+            self.ep_buffer.destroy()
+            self.ep_buffer = None

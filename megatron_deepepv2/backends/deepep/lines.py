@@ -68,9 +68,11 @@ class DeepEPLine:
         return requested + (requested % 2) if self.even_num_sms else requested
 
 
-DEEPEP_2_1 = DeepEPLine("2.1", "ElasticBuffer", (2, 30, 4), None, True)
-DEEPEP_2_5 = DeepEPLine("V2.5", "EPBuffer", (2, 32, 3), (13, 1), False, dispatch_kwargs=(("do_handle_copy", False),),
-                        even_num_sms=True, keeps_topk_idx=True, ran_on_gpu=False)
+DEEPEP_2_1 = DeepEPLine(name="2.1", buffer_class="ElasticBuffer", min_nccl=(2, 30, 4), min_nvcc=None,
+                        needs_nvshmem=True)
+DEEPEP_2_5 = DeepEPLine(name="V2.5", buffer_class="EPBuffer", min_nccl=(2, 32, 3), min_nvcc=(13, 1),
+                        needs_nvshmem=False, dispatch_kwargs=(("do_handle_copy", False),), even_num_sms=True,
+                        keeps_topk_idx=True, ran_on_gpu=False)
 #: Newest first: a module exporting both buffers is taken as the newer line.
 LINES = (DEEPEP_2_5, DEEPEP_2_1)
 

@@ -147,9 +147,10 @@ def check_handle_layout(native: Any, num_topk: int, layout: ExpertLayout) -> Non
 
 
 def order_received(recv_x: HiddenStates, recv_idx: Optional[torch.Tensor], recv_weights: Optional[torch.Tensor],
-                   native: Any, num_topk: int, layout: ExpertLayout, host_sync: bool, cached: bool,
-                   receive_order: Optional[torch.Tensor]) -> tuple[HiddenStates, Optional[torch.Tensor],
-                                                                   Optional[torch.Tensor], Optional[torch.Tensor]]:
+                   native: Any, num_topk: int, layout: ExpertLayout, *, host_sync: bool, cached: bool,
+                   receive_order: Optional[torch.Tensor] = None) -> tuple[HiddenStates, Optional[torch.Tensor],
+                                                                          Optional[torch.Tensor],
+                                                                          Optional[torch.Tensor]]:
     """A dispatch's outputs in DeepEP's deterministic order, its handle ``native`` updated to match (as DeepEP's own
     sort leaves it). With host sync, DeepEP's sort itself (what a ``deterministic=True`` buffer runs); without, the
     same order computed here, nothing read on the host.
