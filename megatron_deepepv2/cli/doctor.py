@@ -156,6 +156,24 @@ def _default_versions() -> dict[str, Optional[str]]:
     return versions
 
 
+def _default_transformer_engine() -> dict[str, Any]:
+    """Where ``transformer_engine`` would import from, without importing it: ``installed`` (found at all), its
+    distribution's ``version`` (None without one) and whether it is a regular package (a folder with no
+    ``__init__.py``, which pip leaves behind when it uninstalls Transformer Engine, imports as an empty namespace)."""
+    import importlib.util  # noqa: PLC0415
+    from importlib import metadata  # noqa: PLC0415
+
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None:
+        return {"installed": False}
+    try:
+        version: Optional[str] = metadata.version("transformer_engine")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"installed": True, "version": version, "regular": spec.origin is not None,
+            "locations": list(spec.submodule_search_locations or [])}
+
+
 def find_nvcc(env: dict[str, str]) -> Optional[str]:
     """The nvcc DeepEP's JIT would use: ``EP_JIT_NVCC_COMPILER``, ``$CUDA_HOME`` / ``$CUDA_PATH``, ``PATH``, then
     ``/usr/local/cuda`` (None when there is none)."""
@@ -246,6 +264,7 @@ class Probes:
     writable_dir: Callable[[str], bool] = _writable_dir
     nvlink: Callable[[], Optional[bool]] = _default_nvlink
     rdma_devices: Callable[[], list[str]] = find_rdma_devices
+    transformer_engine: Callable[[], dict[str, Any]] = _default_transformer_engine
 
 
 def _check_deep_ep(p: Probes, deep_ep: dict[str, Any], add: Callable[[Finding], None]) -> Optional[DeepEPLine]:
@@ -325,6 +344,21 @@ def _check_gin(p: Probes, add: Callable[[Finding], None]) -> None:
     add(Finding("gin", OK, decision.reason))
 
 
+def _check_transformer_engine(p: Probes, add: Callable[[Finding], None]) -> None:
+    """Transformer Engine is optional; a half-removed one breaks Megatron's own import."""
+    te = p.transformer_engine()
+    if not te.get("installed"):
+        add(Finding("transformer-engine", SKIP, "not installed: Megatron's local layers run; TE layers, TEGroupedMLP "
+                    "and TE's FP8 need it"))
+    elif te.get("regular") and te.get("version"):
+        add(Finding("transformer-engine", OK, f"Transformer Engine {te['version']}"))
+    else:
+        where = ", ".join(te.get("locations") or []) or "on sys.path"
+        add(Finding("transformer-engine", FAIL, f"transformer_engine at {where} has no package of its own (what an "
+                    "uninstall leaves behind)", "Megatron imports it and fails ('module transformer_engine has no "
+                    "attribute __version__'): remove that folder, or reinstall Transformer Engine."))
+
+
 def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     """Runs every check.
 
@@ -390,6 +424,7 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
                 "" if len(mapped) <= 1 else "Exactly one libnccl may be mapped (DeepEP asserts at import); drop "
                 "LD_PRELOAD of a second NCCL and replace the one torch loads instead."))
     _check_nvcc(p, requirements, add)
+    _check_transformer_engine(p, add)
     cache = env.get("EP_JIT_CACHE_DIR") or os.path.join(env.get("HOME", "/root"), ".deep_ep")
     writable = p.writable_dir(cache)
     add(Finding("jit-cache", OK if writable else FAIL, f"JIT cache {cache} {'writable' if writable else 'not writable'}",

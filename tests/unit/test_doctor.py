@@ -38,6 +38,7 @@ def healthy(**changes) -> Probes:
         writable_dir=lambda path: True,
         nvlink=lambda: True,
         rdma_devices=lambda: [],
+        transformer_engine=lambda: {"installed": True, "version": "2.20.2", "regular": True, "locations": ["/site/te"]},
     )
     for name, value in changes.items():
         setattr(probes, name, value)
@@ -211,3 +212,35 @@ def test_launchers_leave_a_launch_across_nodes_to_the_library() -> None:
     env = {"GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
     assert disable_gin_without_rdma(env, lambda: []) is False
     assert "EP_DISABLE_GIN" not in env
+
+
+@pytest.mark.parametrize("found, expected, phrase", [
+    ({"installed": False}, "skip", "not installed: Megatron's local layers run"),
+    ({"installed": True, "version": "2.20.2", "regular": True, "locations": ["/s/transformer_engine"]}, "ok",
+     "Transformer Engine 2.20.2"),
+    ({"installed": True, "version": None, "regular": False, "locations": ["/s/transformer_engine"]}, "fail",
+     "transformer_engine at /s/transformer_engine has no package of its own"),
+])
+def test_transformer_engine_is_optional_but_a_leftover_of_one_is_a_blocking_problem(found, expected, phrase) -> None:
+    findings = run_checks(healthy(transformer_engine=lambda: found))
+    (finding,) = [f for f in findings if f.check == "transformer-engine"]
+    assert finding.status == expected and phrase in finding.detail, finding
+    if expected == "fail":
+        assert "remove that folder, or reinstall Transformer Engine" in finding.fix
+        assert main([], probes=healthy(transformer_engine=lambda: found)) == 1
+
+
+def test_the_transformer_engine_probe_tells_a_leftover_folder_from_a_package(tmp_path, monkeypatch) -> None:
+    """An uninstall leaves ``transformer_engine/`` without ``__init__.py``: it imports as an empty namespace."""
+    import sys
+
+    from megatron_deepepv2.cli import doctor
+
+    (tmp_path / "transformer_engine" / "pytorch").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    leftover = doctor._default_transformer_engine()
+    assert leftover["installed"] and not leftover["regular"] and leftover["version"] is None, leftover
+    assert str(tmp_path / "transformer_engine") in leftover["locations"]
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
+    assert doctor._default_transformer_engine()["regular"]
