@@ -19,7 +19,7 @@ def _dispatch(num_tokens: int, hidden: int, topk: int = 2, **kwargs):
 def _lifecycle_worker(rank: int, world: int) -> dict:
     # On the DeepEP backend (over its stand-in), whose buffers are also kept apart by hybrid mode, a construction
     # argument it adds to what the ranks agree on at a build (DeepEPBackend.extra_agreement).
-    from tests.unit.test_deepep_adapter import use_stand_in_backend
+    from tests.deepep_stand_in import use_stand_in_backend
 
     use_stand_in_backend()
     dv2.configure(backend="deepep")
@@ -108,7 +108,7 @@ def _build_logs(rank: int, world: int, backend: str) -> list[str]:
     import logging
 
     if backend == "deepep":
-        from tests.unit.test_deepep_adapter import use_stand_in_backend
+        from tests.deepep_stand_in import use_stand_in_backend
 
         use_stand_in_backend()
     records: list[str] = []

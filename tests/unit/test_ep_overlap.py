@@ -159,7 +159,7 @@ def _overlap_case(rank: int, world: int, backend: str) -> None:
     install_cpu_shims()
     dv2.install()
     if backend == "deepep":
-        from tests.unit.test_deepep_adapter import use_stand_in_backend
+        from tests.deepep_stand_in import use_stand_in_backend
 
         use_stand_in_backend()
     dv2.configure(backend=backend, validate=False)

@@ -115,7 +115,7 @@ def _gin_at_build(rank: int, world: int, nodes: Optional[list[str]], nics: list[
 
     from megatron_deepepv2.backends.base import BufferSpec
     from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
-    from tests.unit.test_deepep_adapter import group_of, use_stand_in_backend
+    from tests.deepep_stand_in import group_of, use_stand_in_backend
 
     os.environ.pop(GIN_VARIABLE, None)
     if user_value is not None:

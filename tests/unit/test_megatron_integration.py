@@ -440,7 +440,7 @@ def _sm_setting(rank: int, world: int) -> list[list[int]]:
     _setup()
     import megatron_deepepv2 as dv2
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer, transformer_config
-    from tests.unit.test_deepep_adapter import STAND_INS, use_stand_in_backend
+    from tests.deepep_stand_in import STAND_INS, use_stand_in_backend
 
     use_stand_in_backend()  # the DeepEP adapter over the 2.1 stand-in, which records each call's arguments
     dv2.configure(backend="deepep", validate=False)
@@ -553,7 +553,7 @@ def _stream_flags_reaching_deepep(rank: int, world: int) -> list[dict]:
     import megatron_deepepv2 as dv2
 
     from megatron_deepepv2.testing.moe_model import TinyMoEConfig, build_moe_layer
-    from tests.unit.test_deepep_adapter import STAND_INS, use_stand_in_backend
+    from tests.deepep_stand_in import STAND_INS, use_stand_in_backend
 
     use_stand_in_backend()
     dv2.configure(backend="deepep", validate=False)

@@ -23,7 +23,7 @@ MICRO_BATCHES = [[8, 6], [20, 24], [5, 0], [40, 33]]  # both ranks exceed togeth
 
 def _use_backend(name: str) -> None:
     if name == "deepep":
-        from tests.unit.test_deepep_adapter import use_stand_in_backend
+        from tests.deepep_stand_in import use_stand_in_backend
 
         use_stand_in_backend()
     dv2.configure(backend=name, validate=False)

@@ -1,6 +1,6 @@
 """The communication-ordering flags of the autograd ops: passed through as asked, and results unchanged.
 
-Runs through the DeepEP adapter over the strict stand-in (``tests/unit/test_deepep_adapter.py``), which records the
+Runs through the DeepEP adapter over the strict stand-in (``tests/deepep_stand_in.py``), which records the
 flags of every call and enforces DeepEP's rules about them (a previous event only with ``allocate_on_comm_stream``,
 events waited only in async mode), so each variant really takes its own path; every variant's results are checked
 against the dense oracle.
@@ -33,7 +33,7 @@ def _run_once(problem, rank: int, world: int, **flags):
 
 
 def _variants(rank: int, world: int, line: str) -> None:
-    from tests.unit.test_deepep_adapter import STAND_INS, use_stand_in_backend
+    from tests.deepep_stand_in import STAND_INS, use_stand_in_backend
 
     use_stand_in_backend(line)
     stand_in = STAND_INS[line][1]

@@ -159,7 +159,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
     from megatron_deepepv2.backends.base import BufferSpec
     from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.config import DeepepV2Settings
-    from tests.unit.test_deepep_adapter import group_of, use_stand_in_backend
+    from tests.deepep_stand_in import group_of, use_stand_in_backend
 
     # One GPU per task under srun: no LOCAL_WORLD_SIZE, one visible device (CPU ranks see none).
     os.environ.pop("LOCAL_WORLD_SIZE", None)

@@ -299,7 +299,7 @@ def _unlike_inputs(rank: int, world: int, field: str, validate: bool = True) -> 
     """Rank 1 dispatches inputs unlike the others' in ``field``."""
     dv2.configure(validate=validate)
     if field == "allow_hybrid_mode":  # a construction argument of the DeepEP backend, agreed on at its builds
-        from tests.unit.test_deepep_adapter import use_stand_in_backend
+        from tests.deepep_stand_in import use_stand_in_backend
 
         use_stand_in_backend()
         dv2.configure(backend="deepep")
@@ -504,7 +504,7 @@ def _deterministic_config(host_sync: bool, deterministic: bool = True):
 ])
 def test_deterministic_mode_is_refused_where_the_installed_handle_lacks_what_the_order_reads(
         monkeypatch: pytest.MonkeyPatch, handle, host_sync: bool, missing) -> None:
-    from tests.unit.test_deepep_adapter import install_deep_ep_with_handle
+    from tests.deepep_stand_in import install_deep_ep_with_handle
 
     install_deep_ep_with_handle(monkeypatch, handle)
     if missing is None:
@@ -527,7 +527,7 @@ def test_a_refused_deterministic_mode_gives_the_backends_own_fix(monkeypatch: py
     (DeepEP's: DeepEP 2.1.0 or V2.5), and adds only what holds for every backend, turning deterministic mode off."""
     from megatron_deepepv2.backends.base import DispatchConfig
     from megatron_deepepv2.config import DeepepV2Settings
-    from tests.unit.test_deepep_adapter import install_deep_ep_with_handle
+    from tests.deepep_stand_in import install_deep_ep_with_handle
 
     class Unordered(ReferenceBackend):  # not registered: a backend whose receive order cannot be fixed
         name = "unordered"
@@ -556,7 +556,7 @@ def test_a_refused_deterministic_mode_gives_the_backends_own_fix(monkeypatch: py
 def test_deterministic_mode_is_accepted_with_the_stand_ins_full_handle(monkeypatch: pytest.MonkeyPatch, line: str,
                                                                        host_sync: bool) -> None:
     """The stand-in's ``EPHandle`` (what the CPU ordering tests run against) exposes everything, on both lines."""
-    from tests.unit.test_deepep_adapter import EPHandle, install_deep_ep_with_handle
+    from tests.deepep_stand_in import EPHandle, install_deep_ep_with_handle
 
     install_deep_ep_with_handle(monkeypatch, EPHandle, line)
     assert DeepEPBackend.deterministic_order_unavailable_reason(host_sync) is None
