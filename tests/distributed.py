@@ -22,6 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from megatron_deepepv2.testing.preload import MEGATRON_PRELOAD
 from megatron_deepepv2.testing.spawn import free_port
 
 _CONTEXT = mp.get_context("forkserver")
@@ -31,12 +32,8 @@ _CONTEXT.set_forkserver_preload([
     "torch",
     "torch.distributed",
     "megatron_deepepv2",
-    "megatron.core.parallel_state",
-    "megatron.core.transformer.transformer_config",
-    "megatron.core.transformer.moe.moe_layer",
-    "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.models.gpt.fine_grained_callables",
+    *MEGATRON_PRELOAD,
+    "megatron.core.models.gpt.fine_grained_callables",  # patched by the integration for EP overlap (the tests only)
     "megatron_deepepv2.testing.frozen_preload",  # last: freezes what the server imported (see there)
 ])
 # Ranks that use the GPU start from a fresh interpreter: CUDA state must not be inherited through a fork.

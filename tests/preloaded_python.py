@@ -36,10 +36,21 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-#: What the server imports (a missing one is skipped). Not ``megatron.training``: importing it configures the root
-#: logger (to stdout), which a fresh interpreter only does when the run imports it, and after the run's own set-up.
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.transformer.moe.moe_layer",
-           "megatron.core.models.gpt.gpt_layer_specs")
+
+
+def _megatron_preload() -> tuple[str, ...]:
+    """:data:`megatron_deepepv2.testing.preload.MEGATRON_PRELOAD`, read from its file: importing it as a module would
+    import the package into the server, and a run would find it imported."""
+    namespace: dict = {}
+    path = ROOT / "megatron_deepepv2" / "testing" / "preload.py"
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - the package's own constant
+    return namespace["MEGATRON_PRELOAD"]
+
+
+#: What the server imports (a missing one is skipped): torch and the shared Megatron list (not ``megatron.training``:
+#: importing it configures the root logger (to stdout), which a fresh interpreter only does when the run imports it,
+#: and after the run's own set-up).
+PRELOAD = ("torch", "torch.distributed", "megatron.core", *_megatron_preload())
 #: Environment variables, and prefixes, that modules read when imported: a run whose values differ from the server's
 #: runs in the real interpreter.
 IMPORT_TIME_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",

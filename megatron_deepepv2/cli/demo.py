@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_deepepv2.testing.preload import MEGATRON_PRELOAD
 from megatron_deepepv2.testing.spawn import spawn_on_free_port
 
 logger = logging.getLogger("megatron_deepepv2.cli.demo")
@@ -46,11 +47,7 @@ _CPU_PRELOAD = [
     "megatron_deepepv2",
     "megatron_deepepv2.testing.cpu_shims",
     "megatron_deepepv2.testing.moe_model",
-    "megatron.core.parallel_state",
-    "megatron.core.transformer.transformer_config",
-    "megatron.core.transformer.moe.moe_layer",
-    "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.models.gpt.gpt_layer_specs",
+    *MEGATRON_PRELOAD,
     "megatron_deepepv2.testing.frozen_preload",  # last: freezes what the server imported (see there)
 ]
 

@@ -1,4 +1,4 @@
-"""Test and demo harness (not the library path): CPU shims and small Megatron MoE models.
+"""Test and demo harness (not the library path): CPU shims, small Megatron MoE models, the Megatron modules to preload.
 
 Nothing here is imported by the library modules; the GPU path never runs these shims.
 """
