@@ -18,7 +18,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? 4 :
 COMPAT_MCORE ?= 0.17.1 0.18.2
 COMPAT_DIR := .compat
 COMPAT_TESTS := tests/unit/test_megatron_integration.py tests/unit/test_no_host_sync.py tests/unit/test_ep_overlap.py \
-  tests/unit/test_run_entry_point.py tests/unit/test_demo.py
+  tests/cli/test_run_entry_point.py tests/cli/test_demo.py
 # A Megatron-LM source tree whose megatron-core ships its own deepepv2 (e.g. its dev branch), for make test-native.
 MEGATRON_LM ?=
 

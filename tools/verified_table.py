@@ -119,7 +119,7 @@ CAPABILITIES: tuple[Capability, ...] = (
                short="Transformer Engine (H100)"),
     Capability("megatron-core 0.17.1 and 0.18.2", CPU,
                tests=("make test-compat", "tests/unit/test_megatron_integration.py", "tests/unit/test_no_host_sync.py",
-                      "tests/unit/test_ep_overlap.py", "tests/unit/test_run_entry_point.py", "tests/unit/test_demo.py"),
+                      "tests/unit/test_ep_overlap.py", "tests/cli/test_run_entry_point.py", "tests/cli/test_demo.py"),
                note="CI",
                short="megatron-core 0.17.1 and 0.18.2"),
     Capability("Megatron-LM `dev` with its own deepepv2 (`MEGATRON_DEEPEPV2_MANAGER`)", CPU,

@@ -4,7 +4,7 @@ Needs CUDA GPUs with DeepEP v2 (``deep_ep.ElasticBuffer``); skipped with the rea
 case at EP=1 (a 1-rank group: every kernel, stream, event, graph and determinism property, no NVLink traffic);
 two GPUs run them at EP2, with uneven tokens and an empty rank, and 4 or 8 at node size. Each test starts its own
 ``torchrun`` (one-GPU jobs share the GPU: :mod:`tests.gpu_jobs`), so it runs from ``pytest`` / ``make test`` with
-``-n`` workers. The training comparison on the GPUs is ``make demo``, which ``tests/unit/test_readme.py`` runs.
+``-n`` workers. The training comparison on the GPUs is ``make demo``, which ``tests/cli/test_readme.py`` runs.
 """
 
 from __future__ import annotations

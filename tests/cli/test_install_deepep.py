@@ -662,13 +662,13 @@ def test_wheels_built_against_pytorchs_own_nccl_need_that_nccl_where_they_go(tmp
 
 
 class DoctorMachine(FakeMachine):
-    """The fake machine with the real doctor at the end: a healthy GPU node's probes (:mod:`tests.unit.test_doctor`),
+    """The fake machine with the real doctor at the end: a healthy GPU node's probes (:mod:`tests.cli.test_doctor`),
     the environment the installer runs it with, and no RDMA NIC."""
 
     def run(self, cmd: list[str], env: dict[str, str], cwd: Optional[str], log: Optional[str]) -> int:
         if cmd[1:] == ["-m", "megatron_deepepv2.cli.doctor"]:
             from megatron_deepepv2.cli import doctor
-            from tests.unit.test_doctor import healthy
+            from tests.cli.test_doctor import healthy
 
             self.commands.append(list(cmd))
             self.envs.append(dict(env))
