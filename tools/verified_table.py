@@ -316,13 +316,11 @@ def summary(capabilities: Sequence[Capability] = CAPABILITIES, root: str = ROOT,
         VerifiedTableError: A capability's evidence is missing or does not fit its status.
     """
     page_dir = page_dir or root
+    for capability in capabilities:
+        _check(capability, root)
     lines = []
     for status in STATUSES:
-        names = []
-        for capability in capabilities:
-            _check(capability, root)
-            if capability.status == status:
-                names.append(capability.short or capability.name)
+        names = [capability.short or capability.name for capability in capabilities if capability.status == status]
         if names:
             lines.append(f"- **{status}**: {'; '.join(names)}.")
     link = os.path.relpath(os.path.join(root, TABLE_PAGE), page_dir)

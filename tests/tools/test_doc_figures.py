@@ -1324,18 +1324,14 @@ def sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def sci1(x: float) -> str:
-    """x with two significant digits: ``4.7e-4``."""
-    return short_e(x)
-
-
 TE_FIGURES: list[Figure] = [
     fig("usage.md", "a whole TE `TransformerLayer` within {} of alltoall",
-        calc(sci1, te_log("te_layer_with_grouped_mlp_matches_alltoall", r"largest relative error ([\d.e+-]+)"))),
-    fig("usage.md", "runs: within {}.", calc(sci1, te_log("te_op_fuser_grouped_mlp_with_and_without_host_sync",
-                                                         r"host sync: \d+ tensors, largest relative error ([\d.e+-]+)"))),
-    fig("usage.md", "matches within {})", calc(sci1, te_log("permute_fusion_matches_alltoall",
-                                                            r"largest relative error ([\d.e+-]+)"))),
+        calc(short_e, te_log("te_layer_with_grouped_mlp_matches_alltoall", r"largest relative error ([\d.e+-]+)"))),
+    fig("usage.md", "runs: within {}.",
+        calc(short_e, te_log("te_op_fuser_grouped_mlp_with_and_without_host_sync",
+                             r"host sync: \d+ tensors, largest relative error ([\d.e+-]+)"))),
+    fig("usage.md", "matches within {})",
+        calc(short_e, te_log("permute_fusion_matches_alltoall", r"largest relative error ([\d.e+-]+)"))),
     fig("usage.md", "delayed {} (alltoall {}), tensorwise {} ({}), blockwise {} ({}); with FP8 dispatch as well, {}, {} "
                     "and {} (alltoall {}, {}, {})",
         *[calc(sci, source) for recipe in ("delayed", "tensorwise", "blockwise") for source in te_fp8(recipe)],
@@ -1344,20 +1340,21 @@ TE_FIGURES: list[Figure] = [
     fig("usage.md", "`TEGroupedMLP` {}; `TEGroupedMLP` with TE's partial graphs (8 layers captured) {}; "
                     "`SyncFreeSequentialMLP` without host sync under TE's partial graphs against alltoall's with host "
                     "sync {};",
-        calc(sci1, te_gap("deepepv2-te", "alltoall-te")), calc(sci1, te_gap("deepepv2-te-graphs", "alltoall-te-graphs")),
-        calc(sci1, te_gap("deepepv2-nohostsync-te-graphs", "alltoall-syncfree-te-graphs"))),
+        calc(short_e, te_gap("deepepv2-te", "alltoall-te")),
+        calc(short_e, te_gap("deepepv2-te-graphs", "alltoall-te-graphs")),
+        calc(short_e, te_gap("deepepv2-nohostsync-te-graphs", "alltoall-syncfree-te-graphs"))),
     fig("usage.md", "(the two dispatchers {} apart)",
-        calc(sci1, te_gap("deepepv2-te#1", "alltoall-te#1", TE_DET))),
+        calc(short_e, te_gap("deepepv2-te#1", "alltoall-te#1", TE_DET))),
     fig("usage.md", "part from the eager runs by {} at step 20",
-        calc(sci1, te_gap("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs"))),
+        calc(short_e, te_gap("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs"))),
     *[fig("training.md", row(f"`{run}`", f"`{baseline}`", "{}", "{:.4f} / {:.4f}"),
-          calc(sci1, te_gap(run, baseline)), J(TE_TRAIN, "runs", {"run": run}, "last_loss"),
+          calc(short_e, te_gap(run, baseline)), J(TE_TRAIN, "runs", {"run": run}, "last_loss"),
           J(TE_TRAIN, "runs", {"run": baseline}, "last_loss"))
       for run, baseline in (("deepepv2-te", "alltoall-te"), ("deepepv2-te-graphs", "alltoall-te-graphs"),
                             ("deepepv2-nohostsync-te-graphs", "alltoall-syncfree-te-graphs"))],
     fig("training.md", "| `deepepv2-nohostsync-te-layer-graphs` | `alltoall-syncfree-te-graphs` | {} (whole-layer "
                        "graphs: dropout from another stream) | {:.4f} / {:.4f} |",
-        calc(sci1, te_gap("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs")),
+        calc(short_e, te_gap("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs")),
         J(TE_TRAIN, "runs", {"run": "deepepv2-nohostsync-te-layer-graphs"}, "last_loss"),
         J(TE_TRAIN, "runs", {"run": "alltoall-syncfree-te-graphs"}, "last_loss")),
     *[fig("training.md", f"| `{label}`, `--deterministic-mode`, run 2 | run 1 | 0 (bit for bit, 20 steps) | {{:.4f}} |",
