@@ -1324,6 +1324,7 @@ def sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+TE_RECIPES = ("delayed", "tensorwise", "blockwise")
 TE_FIGURES: list[Figure] = [
     fig("usage.md", "a whole TE `TransformerLayer` within {} of alltoall",
         calc(short_e, te_log("te_layer_with_grouped_mlp_matches_alltoall", r"largest relative error ([\d.e+-]+)"))),
@@ -1332,11 +1333,10 @@ TE_FIGURES: list[Figure] = [
                              r"host sync: \d+ tensors, largest relative error ([\d.e+-]+)"))),
     fig("usage.md", "matches within {})",
         calc(short_e, te_log("permute_fusion_matches_alltoall", r"largest relative error ([\d.e+-]+)"))),
-    fig("usage.md", "delayed {} (alltoall {}), tensorwise {} ({}), blockwise {} ({}); with FP8 dispatch as well, {}, {} "
-                    "and {} (alltoall {}, {}, {})",
-        *[calc(sci, source) for recipe in ("delayed", "tensorwise", "blockwise") for source in te_fp8(recipe)],
-        *[calc(sci, te_fp8(rf"{recipe} \+ FP8 dispatch")[0]) for recipe in ("delayed", "tensorwise", "blockwise")],
-        *[calc(sci, te_fp8(rf"{recipe} \+ FP8 dispatch")[1]) for recipe in ("delayed", "tensorwise", "blockwise")]),
+    fig("usage.md", "delayed {} (alltoall {}), tensorwise {} ({}), blockwise {} ({}); with FP8 dispatch as well, "
+                    "{}, {} and {} (alltoall {}, {}, {})",
+        *[calc(sci, source) for recipe in TE_RECIPES for source in te_fp8(recipe)],
+        *[calc(sci, te_fp8(rf"{recipe} \+ FP8 dispatch")[side]) for side in (0, 1) for recipe in TE_RECIPES]),
     fig("usage.md", "`TEGroupedMLP` {}; `TEGroupedMLP` with TE's partial graphs (8 layers captured) {}; "
                     "`SyncFreeSequentialMLP` without host sync under TE's partial graphs against alltoall's with host "
                     "sync {};",
