@@ -170,6 +170,27 @@ def _deepep_usable() -> str | None:
     return DeepEPBackend.unavailable_reason()
 
 
+# What a dry run of the installer prints for each change it would make (and only then).
+_INSTALLER_CHANGE = re.compile(r"\bwould (?:run|build|install|write)\b")
+
+
+def installer_would_change(dry_run_output: str) -> bool:
+    """Whether the installer's ``--dry-run`` output plans any change to the machine (a build, an install, a file)."""
+    return bool(_INSTALLER_CHANGE.search(dry_run_output))
+
+
+def test_installer_plan_tells_a_change_from_none() -> None:
+    """Each kind of change a dry run of the installer announces is seen; a plan without one (every step found done) is
+    not a change, nor is the final line that says a dry run changed nothing."""
+    nothing = ("[3/8] nccl: PyTorch's NCCL 2.30.7 (0.1 s)\n[6/8] deep_ep: installed, same build (0.2 s)\n"
+               "done in 1.2 s (dry run: nothing changed)\n")
+    assert not installer_would_change(nothing)
+    for planned in ("    would run: python -m pip install x", "[3/8] nccl: none; would build NCCL 2.30.7 for sm_90 into /p",
+                    "[5/8] torch-nccl: would write /x/megatron_deepepv2_nccl.pth", "[2/4] install: would install a.whl",
+                    "[6/8] deep_ep: would build DeepEP with g++ against NCCL at /p"):
+        assert installer_would_change(nothing + planned), planned
+
+
 def test_gpu_blocks_run_on_a_gpu_machine() -> None:
     reason = _deepep_usable()
     if reason:
@@ -185,7 +206,11 @@ def test_gpu_blocks_run_on_a_gpu_machine() -> None:
         for command in block.commands:
             env = {**gpu_job_env(), "NUM_GPUS": str(gpus), "GPT_MOE_ARGS": GPU_GPT_MOE_ARGS.format(gpus=gpus, batch=2 * gpus)}
             if "install_deepep" in command and trees:
-                with gpu_job_lock(gpus=1, alone=True):  # installs into the environment the other GPU jobs import from
+                # It runs alone only when it would change the environment the other GPU jobs import from; a machine
+                # that has these trees' builds installed already (verify and doctor only) shares the GPU.
+                plan = _run(f"{command} --dry-run", timeout=300, env=env, cwd=Path(trees))
+                assert plan.returncode == 0, f"{command} --dry-run: {plan.stdout[-2000:]}{plan.stderr[-2000:]}"
+                with gpu_job_lock(gpus=1, alone=installer_would_change(plan.stdout + plan.stderr)):
                     done = _run(command, timeout=1200, env=env, cwd=Path(trees))
             elif "pretrain_gpt.py" in command and megatron_lm:
                 env["PYTHONPATH"] = f"{megatron_lm}{os.pathsep}{env.get('PYTHONPATH', '')}"
