@@ -64,8 +64,9 @@ _FIRST_RENDEZVOUS_S = 0.0005
 class GroupCall:
     """The context of every dispatch or combine call on a group, forward or backward: entering it counts the call (the
     ranks of a group make the same calls in the same order, so the count names a call alike on every rank; a failure
-    announcement carries it, and a peer reads only the announcements of the call it failed in), and an error raised in the block passes through :func:`peer_failure` (the one attribution of
-    failures). One per group (:func:`group_call`), entered again by each call; it keeps no state of its own.
+    announcement carries it, and a peer reads only the announcements of the call it failed in), and an error raised in
+    the block passes through :func:`peer_failure` (the one attribution of failures). One per group
+    (:func:`group_call`), entered again by each call; it keeps no state of its own.
 
     Args:
         group: The expert-parallel group.
@@ -171,7 +172,8 @@ def announce_failure(group: dist.ProcessGroup, error: BaseException, *, conseque
         return
     try:
         store.set(f"{_FAILURE_PREFIX}/{_group_tag(group)}/{dist.get_rank()}",
-                  f"{state_of(group).calls}|{'consequence' if consequence else 'cause'}|{type(error).__name__}: {error}")
+                  f"{state_of(group).calls}|{'consequence' if consequence else 'cause'}|"
+                  f"{type(error).__name__}: {error}")
         if interrupt:
             store.add(_call_flag(group), 1)
     except Exception:  # noqa: BLE001 - best effort: the error itself is raised by the caller
@@ -479,7 +481,8 @@ def raise_on_every_rank(problem: Optional[Exception], group: dist.ProcessGroup, 
 
 
 def _rejected_by_peers(failed_group_ranks: list[int], group: dist.ProcessGroup) -> ValueError:
-    """The error of a rank whose inputs were valid, for the peers (group ranks ``failed_group_ranks``) whose were not."""
+    """The error of a rank whose inputs were valid, for the peers (group ranks ``failed_group_ranks``) whose were
+    not."""
     ranks = dist.get_process_group_ranks(group)
     failed = [ranks[r] for r in failed_group_ranks]
     errors = announced_failures(group)

@@ -8,9 +8,9 @@
 A group's state is made on first use by :func:`state_of` and holds every per-group fact and record of the package:
 its size (asked once: the call costs tens of microseconds), the call and build counters that scope failure
 announcements (:mod:`megatron_deepepv2.failures`), its buffers in use and retired (:mod:`megatron_deepepv2.buffers`),
-the dispatchers bound on it and the inputs whose checks passed (:mod:`megatron_deepepv2.ops`) and the node identity of its ranks
-(:mod:`megatron_deepepv2.backends.deepep.topology`). Nothing else in the package keeps a dictionary keyed by process
-group.
+the dispatchers bound on it and the inputs whose checks passed (:mod:`megatron_deepepv2.ops`) and the node identity of
+its ranks (:mod:`megatron_deepepv2.backends.deepep.topology`). Nothing else in the package keeps a dictionary keyed by
+process group.
 """
 
 from __future__ import annotations

@@ -231,16 +231,30 @@ def test_transformer_engine_is_optional_but_a_leftover_of_one_is_a_blocking_prob
 
 
 def test_the_transformer_engine_probe_tells_a_leftover_folder_from_a_package(tmp_path, monkeypatch) -> None:
-    """An uninstall leaves ``transformer_engine/`` without ``__init__.py``: it imports as an empty namespace."""
+    """An uninstall leaves ``transformer_engine/`` without ``__init__.py``: it imports as an empty namespace. A regular
+    package anywhere on the path wins over such a folder (as the import would), so the probe reports that one."""
+    import importlib
     import sys
 
     from megatron_deepepv2.cli import doctor
 
-    (tmp_path / "transformer_engine" / "pytorch").mkdir(parents=True)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    leftover_dir, installed_dir = tmp_path / "leftover", tmp_path / "installed"
+    (leftover_dir / "transformer_engine" / "pytorch").mkdir(parents=True)
+    # Only these folders on the path: whether this machine has Transformer Engine installed or not.
+    monkeypatch.setattr(sys, "path", [str(leftover_dir)])
     monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    importlib.invalidate_caches()
     leftover = doctor._default_transformer_engine()
     assert leftover["installed"] and not leftover["regular"] and leftover["version"] is None, leftover
-    assert str(tmp_path / "transformer_engine") in leftover["locations"]
-    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
-    assert doctor._default_transformer_engine()["regular"]
+    assert leftover["locations"] == [str(leftover_dir / "transformer_engine")]
+
+    (installed_dir / "transformer_engine").mkdir(parents=True)
+    (installed_dir / "transformer_engine" / "__init__.py").write_text("")
+    dist_info = installed_dir / "transformer_engine-2.20.2.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer_engine\nVersion: 2.20.2\n")
+    monkeypatch.setattr(sys, "path", [str(leftover_dir), str(installed_dir)])
+    importlib.invalidate_caches()
+    installed = doctor._default_transformer_engine()
+    assert installed["regular"] and installed["version"] == "2.20.2", installed
+    assert installed["locations"] == [str(installed_dir / "transformer_engine")]

@@ -149,9 +149,9 @@ def line_of_source_tree(path: str) -> DeepEPLine:
         return DEEPEP_2_5
     if os.path.isfile(os.path.join(buffers, "elastic.py")):
         return DEEPEP_2_1
-    raise ValueError(f"{path} is not a DeepEP v2 source tree: it has neither deep_ep/buffers/ep.py (V2.5, EPBuffer) nor "
-                     "deep_ep/buffers/elastic.py (2.1, ElasticBuffer). A v1 or HybridEP tree provides neither; check "
-                     "out DeepEP's main branch (V2.5) or the v2.1.0 tag.")
+    raise ValueError(f"{path} is not a DeepEP v2 source tree: it has neither deep_ep/buffers/ep.py (V2.5, EPBuffer) "
+                     "nor deep_ep/buffers/elastic.py (2.1, ElasticBuffer). A v1 or HybridEP tree provides neither; "
+                     "check out DeepEP's main branch (V2.5) or the v2.1.0 tag.")
 
 
 def source_tree_version(path: str) -> str:

@@ -141,9 +141,9 @@ def check_handle_layout(native: Any, num_topk: int, layout: ExpertLayout) -> Non
     else:
         expect("channel_linked_list", None, optional=True)  # hybrid mode only: row indices, any shape
     if wrong:
-        raise RuntimeError("The installed DeepEP's dispatch handle is not laid out as deterministic ordering relies on ("
-                           + "; ".join(wrong) + "). Deterministic mode supports DeepEP 2.1.0 and V2.5; turn it off "
-                           "(MEGATRON_DEEPEPV2_DETERMINISTIC=0) or install one of those.")
+        raise RuntimeError("The installed DeepEP's dispatch handle is not laid out as deterministic ordering relies "
+                           "on (" + "; ".join(wrong) + "). Deterministic mode supports DeepEP 2.1.0 and V2.5; turn "
+                           "it off (MEGATRON_DEEPEPV2_DETERMINISTIC=0) or install one of those.")
 
 
 def order_received(recv_x: HiddenStates, recv_idx: Optional[torch.Tensor], recv_weights: Optional[torch.Tensor],
