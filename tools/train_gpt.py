@@ -57,7 +57,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools._bench import new_figure, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
+from tools._bench import (new_figure, provenance, save_figure, setup_logging, software_versions,  # noqa: E402
+                          write_outputs)
 
 logger = logging.getLogger("train_gpt")
 
@@ -188,8 +189,45 @@ def _number(value: Any) -> Optional[float]:
     return float(value)
 
 
+class CudaGraphCaptures:
+    """Counts the CUDA graphs captured in this process: every capture, Megatron's local graphs and Transformer
+    Engine's alike, ends in ``torch.cuda.CUDAGraph.capture_end``, which :meth:`install` wraps (once per process)."""
+
+    count = 0
+
+    @classmethod
+    def install(cls) -> None:
+        import torch  # noqa: PLC0415
+
+        graph = torch.cuda.CUDAGraph
+        if getattr(graph.capture_end, "_counted", False):
+            return
+        capture_end = graph.capture_end
+
+        @functools.wraps(capture_end)
+        def counted(self, *args, **kwargs):
+            result = capture_end(self, *args, **kwargs)
+            cls.count += 1
+            return result
+
+        counted._counted = True
+        graph.capture_end = counted
+
+
+def _device_name() -> str:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 class StepRecorder:
     """Wraps ``megatron.training.training.training_log``: each call appends one step to a JSON-lines file.
+
+    The first line is the run's header: its label and round, batch, the expert modules of the built model, the device,
+    the versions of torch, Transformer Engine, DeepEP, NCCL and megatron-core, the whole command line and the
+    environment. Each step records its losses (exactly, as hex), the seconds since the previous step, the seconds
+    since the recorder started (``since_start``: the first step's is the time to the first step, imports, DeepEP's
+    JIT compilation and graph captures included) and how many CUDA graphs the process has captured so far.
 
     Args:
         path: The JSON-lines file (rewritten at the start).
@@ -208,6 +246,7 @@ class StepRecorder:
         self.exit_after_last_step = exit_after_last_step
         self._profile_window = list(profile) if profile else None
         self._last: Optional[float] = None
+        self._started = time.perf_counter()
         self._file = None
         self._profile, self._profile_out = profile, profile_out
         self._profiler: Any = None
@@ -238,6 +277,7 @@ class StepRecorder:
                 "experts": ("+".join(self.built_experts) if self.built_experts
                             else expert_module(environment, sys.argv[1:])),
                 "experts_from": "built model" if self.built_experts else "environment",
+                "device": _device_name(), "versions": software_versions(),
                 "profile": self._profile_window,
                 "argv": sys.argv[1:], "environment": environment, "provenance": provenance()}
 
@@ -314,7 +354,8 @@ class StepRecorder:
                 "losses_hex": {k: (v.hex() if v is not None else None) for k, v in losses.items()},
                 "grad_norm": norm, "grad_norm_hex": None if norm is None else norm.hex(),
                 "learning_rate": _number(learning_rate), "skipped": int(_number(skipped) or 0),
-                "seconds": None if self._last is None else now - self._last}
+                "seconds": None if self._last is None else now - self._last, "since_start": now - self._started,
+                "cuda_graphs": CudaGraphCaptures.count}
         self._last = now
         self._file.write(json.dumps(step) + "\n")
         self._file.flush()
@@ -362,6 +403,7 @@ def record(out: str, label: str, target: Sequence[str], profile: Optional[tuple[
         use_megatrons_dispatch_preprocess()
     import megatron.training.training as training  # noqa: PLC0415
 
+    CudaGraphCaptures.install()
     recorder = StepRecorder(out, label, profile, profile_out, round_number, exit_after_last_step)
     training.training_log = recorder.wrap(training.training_log)
     training.setup_model_and_optimizer = recorder.wrap_setup(training.setup_model_and_optimizer)
@@ -408,6 +450,9 @@ def summarise(run: dict, skip: int) -> dict:
             "first_loss": steps[0]["losses"].get("lm loss") if steps else None,
             "last_loss": steps[-1]["losses"].get("lm loss") if steps else None,
             "loss": {str(s["iteration"]): s["losses"].get("lm loss") for s in steps},
+            "first_step_s": steps[0].get("since_start") if steps else None,
+            "cuda_graphs": steps[-1].get("cuda_graphs") if steps else None,
+            "device": header.get("device"), "versions": header.get("versions"), "argv": header.get("argv"),
             "environment": run["header"].get("environment", {}),
             "provenance": run["header"].get("provenance")}
 
@@ -447,6 +492,8 @@ def configurations(summaries: Sequence[dict]) -> dict:
         median = statistics.median(each)
         tokens = runs[0]["tokens_per_step"]
         out[label] = {"runs": [r["run"] for r in runs], "experts": runs[0]["experts"],
+                      "cuda_graphs": sorted({r["cuda_graphs"] for r in runs if r.get("cuda_graphs") is not None}),
+                      "first_step_s_each": [r["first_step_s"] for r in runs if r.get("first_step_s") is not None],
                       "rounds": [r["round"] for r in runs if r["median_step_ms"] is not None],
                       "median_step_ms_each": each, "median_step_ms": median,
                       "spread_pct": (max(each) - min(each)) / median * 100,
@@ -517,6 +564,14 @@ def runs_provenance(summaries: Sequence[dict]) -> dict:
             "date": dates[-1] if dates else None, "first_date": dates[0] if dates else None}
 
 
+def runs_machine(summaries: Sequence[dict]) -> dict:
+    """The devices and software versions the runs recorded: ``versions`` where every run that recorded them agrees,
+    else None (each run keeps its own)."""
+    versions = [r["versions"] for r in summaries if r.get("versions")]
+    return {"devices": sorted({r["device"] for r in summaries if r.get("device")}),
+            "versions": versions[0] if versions and all(v == versions[0] for v in versions) else None}
+
+
 def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], skip: int,
            targets: Sequence[str] = ()) -> dict:
     """The comparison document of recorded runs.
@@ -546,8 +601,8 @@ def report(paths: Sequence[str], baseline: Optional[str], equal: Sequence[str], 
         seen[run["label"]] = seen.get(run["label"], 0) + 1
         run["run"] = run["label"] if counts[run["label"]] == 1 else f"{run['label']}#{seen[run['label']]}"
     summaries = [{"run": r["run"], **summarise(r, skip)} for r in runs]
-    document: dict = {"provenance": runs_provenance(summaries), "runs": summaries, "skip": skip,
-                      "configurations": configurations(summaries)}
+    document: dict = {"provenance": runs_provenance(summaries), "machine": runs_machine(summaries), "runs": summaries,
+                      "skip": skip, "configurations": configurations(summaries)}
     document["targets"] = target_ratios(document["configurations"], targets)
     if baseline is not None:
         reference = next((r for r in runs if r["label"] == baseline), None)

@@ -51,6 +51,31 @@ def test_recorder_keeps_each_step_exactly_and_passes_the_call_on(tmp_path: Path,
         assert step["losses"]["load_balancing_loss"] == 1.5  # a (sum, count) pair
         assert float.fromhex(step["grad_norm_hex"]) == 0.25 * step["iteration"]
     assert steps[0]["seconds"] is None and all(s["seconds"] >= 0 for s in steps[1:])
+    since_start = [s["since_start"] for s in steps]
+    assert 0 < since_start[0] <= since_start[1] <= since_start[2], since_start
+    assert all(s["cuda_graphs"] == train_gpt.CudaGraphCaptures.count for s in steps)
+    assert header["device"] == "cpu" and header["versions"]["torch"] == torch.__version__.split("+")[0], header
+    assert set(header["versions"]) >= {"torch", "megatron-core", "deep_ep", "transformer_engine"}
+
+
+def test_cuda_graph_captures_are_counted_once_per_capture(monkeypatch) -> None:
+    """Every capture ends in ``CUDAGraph.capture_end``; installing the count twice still counts each capture once."""
+    ended = []
+
+    class CUDAGraph:
+        """Stands in for torch.cuda.CUDAGraph (no capture without a GPU)."""
+
+        def capture_end(self) -> str:
+            ended.append(self)
+            return "ended"
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    monkeypatch.setattr(train_gpt.CudaGraphCaptures, "count", 0)
+    train_gpt.CudaGraphCaptures.install()
+    train_gpt.CudaGraphCaptures.install()
+    first, second = CUDAGraph(), CUDAGraph()
+    assert first.capture_end() == "ended" and second.capture_end() == "ended" and first.capture_end() == "ended"
+    assert train_gpt.CudaGraphCaptures.count == 3 and ended == [first, second, first]
 
 
 def _write_run(path: Path, label: str, losses: list[float], seconds: list[float], tokens: int = 4096,
@@ -85,6 +110,34 @@ def test_report_compares_runs_with_a_baseline_and_bit_for_bit(tmp_path: Path) ->
     same, other = document["bitwise"]
     assert same["equal"] and same["range"] == [1, 40]
     assert not other["equal"] and other["first_difference"] == 26
+
+
+def test_report_carries_time_to_first_step_graphs_device_and_versions(tmp_path: Path) -> None:
+    """Each run's time to its first step and its CUDA graph count (the last step's) reach the report, per run and per
+    configuration; the machine's versions only where the runs agree."""
+    versions = {"torch": "2.11.0", "transformer_engine": "2.20.2"}
+
+    def write(name: str, label: str, started: float, graphs: list[int], run_versions: dict) -> str:
+        path = _write_run(tmp_path / name, label, [5.0, 4.0, 3.0], [None, 0.1, 0.1], device="NVIDIA H100",
+                          versions=run_versions)
+        lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        for step, graph_count in zip(lines[1:], graphs):
+            step.update(since_start=started + step["iteration"], cuda_graphs=graph_count)
+        Path(path).write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+        return path
+
+    paths = [write("a.jsonl", "a", 40.0, [0, 8, 8], versions), write("b.jsonl", "b", 70.0, [0, 0, 16], versions),
+             write("b2.jsonl", "b", 30.0, [0, 0, 16], versions)]
+    document = train_gpt.report(paths, None, [], skip=0)
+    first, second, third = document["runs"]
+    assert (first["first_step_s"], first["cuda_graphs"]) == (41.0, 8)
+    assert (second["first_step_s"], second["cuda_graphs"], third["first_step_s"]) == (71.0, 16, 31.0)
+    assert document["configurations"]["b"]["first_step_s_each"] == [71.0, 31.0]
+    assert document["configurations"]["b"]["cuda_graphs"] == [16]
+    assert document["machine"] == {"devices": ["NVIDIA H100"], "versions": versions}
+    mixed = train_gpt.report([*paths, write("c.jsonl", "c", 1.0, [0, 0, 0], {**versions, "torch": "2.10.0"})],
+                             None, [], skip=0)
+    assert mixed["machine"]["versions"] is None and mixed["runs"][-1]["versions"]["torch"] == "2.10.0"
 
 
 def test_report_command_fails_when_runs_that_must_be_equal_differ(tmp_path: Path) -> None:
