@@ -359,20 +359,13 @@ def _check_transformer_engine(p: Probes, add: Callable[[Finding], None]) -> None
                     "attribute __version__'): remove that folder, or reinstall Transformer Engine."))
 
 
-def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
-    """Runs every check.
+def _check_versions(p: Probes, add: Callable[[Finding], None]) -> None:
+    """Python, torch and megatron-core against the versions DeepEP v2 and this package need.
 
     Args:
-        probes: System probes (default: the real system).
-
-    Returns:
-        The findings, in a fixed order.
+        p: System probes.
+        add: Receives each finding.
     """
-    p = probes or Probes()
-    env = p.env
-    findings: list[Finding] = []
-    add = findings.append
-
     versions = p.versions()
     python = parse_version(versions.get("python"))
     add(Finding("python", OK if python >= (3, 12) else FAIL, f"Python {versions.get('python')}",
@@ -384,65 +377,131 @@ def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
     mcore = versions.get("megatron-core")
     mcore_version = parse_version(mcore)[:2] if mcore else ()
     if not mcore or mcore_version < (0, 17):
-        add(Finding("megatron-core", FAIL, f"megatron-core {mcore}", "Install megatron-core >= 0.17 (tested: 0.17 - 0.19.x)."))
+        add(Finding("megatron-core", FAIL, f"megatron-core {mcore}",
+                    "Install megatron-core >= 0.17 (tested: 0.17 - 0.19.x)."))
     elif mcore_version >= (0, 20):
         add(Finding("megatron-core", WARN, f"megatron-core {mcore}: newer than the tested releases (0.17 - 0.19.x)",
                     "install() warns and applies its patches; each raises naming itself if this release changed it."))
     else:
         add(Finding("megatron-core", OK, f"megatron-core {mcore}"))
 
+
+def _check_cuda(p: Probes, add: Callable[[Finding], None]) -> None:
+    """A visible CUDA device of an architecture DeepEP v2 targets, and what one GPU alone can run.
+
+    Args:
+        p: System probes.
+        add: Receives each finding.
+    """
     cuda = p.cuda()
     if not cuda.get("available"):
         add(Finding("cuda", FAIL, "no CUDA device visible",
                     "DeepEP needs SM90/SM100 GPUs; on CPU use MEGATRON_DEEPEPV2_BACKEND=reference."))
-    else:
-        major = cuda["capability"][0]
-        arch_ok = major in (9, 10)
-        add(Finding("cuda", OK if arch_ok else FAIL,
-                    f"{cuda['count']} x {cuda.get('name', 'GPU')}, SM{major}{cuda['capability'][1]}",
-                    "" if arch_ok else "DeepEP v2 kernels target sm_90a / sm_100a; use Hopper or Blackwell GPUs."))
-        if cuda["count"] == 1:
-            add(Finding("gpu-count", OK, "1 GPU visible: EP=1 (a 1-rank group) runs every DeepEP kernel, stream, event, "
-                        "CUDA-graph and determinism path; NVLink traffic between GPUs and EP >= 2 need 2+ GPUs"))
+        return
+    major = cuda["capability"][0]
+    arch_ok = major in (9, 10)
+    add(Finding("cuda", OK if arch_ok else FAIL,
+                f"{cuda['count']} x {cuda.get('name', 'GPU')}, SM{major}{cuda['capability'][1]}",
+                "" if arch_ok else "DeepEP v2 kernels target sm_90a / sm_100a; use Hopper or Blackwell GPUs."))
+    if cuda["count"] == 1:
+        add(Finding("gpu-count", OK, "1 GPU visible: EP=1 (a 1-rank group) runs every DeepEP kernel, stream, "
+                    "event, CUDA-graph and determinism path; NVLink traffic between GPUs and EP >= 2 need 2+ GPUs"))
 
-    deep_ep = p.deep_ep()
-    line = _check_deep_ep(p, deep_ep, add)
-    # Requirements of the installed line; without a usable deep_ep, the 2.1 line's (the lower ones).
-    requirements = line or DEEPEP_2_1
+
+def _check_nccl(p: Probes, requirements: DeepEPLine, add: Callable[[Finding], None]) -> None:
+    """The NCCL runtime torch loads: new enough for ``requirements`` and the only ``libnccl`` mapped.
+
+    Args:
+        p: System probes.
+        requirements: The DeepEP line whose minimum NCCL applies.
+        add: Receives each finding.
+    """
     nccl = p.nccl_version()
     if nccl is None:
         add(Finding("nccl-version", FAIL, "torch reports no NCCL", "Use a CUDA build of torch with NCCL."))
     else:
         nccl_ok = tuple(nccl) >= requirements.min_nccl
         add(Finding("nccl-version", OK if nccl_ok else FAIL, f"NCCL {version_text(tuple(nccl))} loaded by torch",
-                    "" if nccl_ok else f"DeepEP {requirements.name} needs NCCL >= {version_text(requirements.min_nccl)} "
-                    "at run time: make torch load that libnccl and build DeepEP against the same one "
-                    "(python -m megatron_deepepv2.cli.install_deepep does both)."))
+                    "" if nccl_ok else f"DeepEP {requirements.name} needs NCCL >= "
+                    f"{version_text(requirements.min_nccl)} at run time: make torch load that libnccl and build "
+                    "DeepEP against the same one (python -m megatron_deepepv2.cli.install_deepep does both)."))
     mapped = p.mapped_nccl()
     add(Finding("nccl-single-library", OK if len(mapped) <= 1 else FAIL,
                 f"libnccl mapped: {', '.join(mapped) or 'none yet'}",
                 "" if len(mapped) <= 1 else "Exactly one libnccl may be mapped (DeepEP asserts at import); drop "
                 "LD_PRELOAD of a second NCCL and replace the one torch loads instead."))
-    _check_nvcc(p, requirements, add)
-    _check_transformer_engine(p, add)
+
+
+def _check_jit_cache(p: Probes, add: Callable[[Finding], None]) -> None:
+    """DeepEP's JIT cache directory (``EP_JIT_CACHE_DIR``, else ``~/.deep_ep``) is writable.
+
+    Args:
+        p: System probes.
+        add: Receives each finding.
+    """
+    env = p.env
     cache = env.get("EP_JIT_CACHE_DIR") or os.path.join(env.get("HOME", "/root"), ".deep_ep")
     writable = p.writable_dir(cache)
-    add(Finding("jit-cache", OK if writable else FAIL, f"JIT cache {cache} {'writable' if writable else 'not writable'}",
+    add(Finding("jit-cache", OK if writable else FAIL,
+                f"JIT cache {cache} {'writable' if writable else 'not writable'}",
                 "" if writable else "Set EP_JIT_CACHE_DIR to a writable directory."))
 
+
+def _check_nvlink(p: Probes, add: Callable[[Finding], None]) -> None:
+    """NVLink between the GPUs, which DeepEP's intranode path expects.
+
+    Args:
+        p: System probes.
+        add: Receives each finding.
+    """
     nvlink = p.nvlink()
     add(Finding("nvlink", OK if nvlink else (SKIP if nvlink is None else WARN),
                 {True: "NVLink between GPUs", False: "no NVLink between GPUs", None: "nvidia-smi unavailable"}[nvlink],
                 "" if nvlink else "DeepEP's intranode path expects NVLink; PCIe-only GPUs are not supported."))
-    _check_gin(p, add)
 
+
+def _check_launch_environment(p: Probes, add: Callable[[Finding], None]) -> None:
+    """The NVLink-multicast guard variables and the torchrun environment.
+
+    Args:
+        p: System probes.
+        add: Receives each finding.
+    """
+    env = p.env
     unset = [f"{k}={v}" for k, v in MULTICAST_GUARDS.items() if env.get(k) != v]
     add(Finding("multicast-guard", OK if not unset else WARN,
                 "NVLink multicast disabled" if not unset else f"not set: {', '.join(unset)}",
                 "" if not unset else "Where NVLink multicast must stay off, export " + " ".join(unset) + "."))
     missing = [v for v in TORCHRUN_VARS if v not in env]
     add(Finding("torchrun", OK if not missing else SKIP,
-                "torchrun environment present" if not missing else f"not under torchrun (missing {', '.join(missing)})"))
+                "torchrun environment present" if not missing
+                else f"not under torchrun (missing {', '.join(missing)})"))
+
+
+def run_checks(probes: Optional[Probes] = None) -> list[Finding]:
+    """Runs every check.
+
+    Args:
+        probes: System probes (default: the real system).
+
+    Returns:
+        The findings, in a fixed order.
+    """
+    p = probes or Probes()
+    findings: list[Finding] = []
+    add = findings.append
+    _check_versions(p, add)
+    _check_cuda(p, add)
+    line = _check_deep_ep(p, p.deep_ep(), add)
+    # Requirements of the installed line; without a usable deep_ep, the 2.1 line's (the lower ones).
+    requirements = line or DEEPEP_2_1
+    _check_nccl(p, requirements, add)
+    _check_nvcc(p, requirements, add)
+    _check_transformer_engine(p, add)
+    _check_jit_cache(p, add)
+    _check_nvlink(p, add)
+    _check_gin(p, add)
+    _check_launch_environment(p, add)
     return findings
 
 

@@ -84,7 +84,8 @@ WHEEL_MANIFEST = "megatron-deepepv2-wheels.json"
 #: The distribution name of the NCCL wheel.
 NCCL_WHEEL_NAME = "megatron_deepepv2_nccl"
 NVCC_WHEELS = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
-_PROBE_SOURCE = '#include <regex>\n#include <string>\nint probe(const char* s) { return std::regex_match(std::string(s), std::regex("a+b")); }\n'
+_PROBE_SOURCE = ('#include <regex>\n#include <string>\n'
+                 'int probe(const char* s) { return std::regex_match(std::string(s), std::regex("a+b")); }\n')
 _PYTHON_PROBE = """
 import json, torch
 from megatron_deepepv2.backends.deepep.lines import mapped_nccl_libraries, runtime_nccl_version
@@ -258,7 +259,8 @@ def _tree_fingerprint(path: str) -> str:
     ``.git`` is a file) or unpacked from archives, has the same fingerprint."""
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if d not in {"build", "dist", ".git", "__pycache__"} and not d.endswith(".egg-info"))
+        dirs[:] = sorted(d for d in dirs
+                         if d not in {"build", "dist", ".git", "__pycache__"} and not d.endswith(".egg-info"))
         for name in sorted(f for f in files if f != ".git"):
             file_path = os.path.join(root, name)
             digest.update(os.path.relpath(file_path, path).encode() + b"\0")
@@ -472,7 +474,8 @@ class Installer:
             source = target
         source = os.path.abspath(source)
         if not os.path.isfile(os.path.join(source, "setup.py")) and not self.options.dry_run:
-            raise InstallError("source", f"{source} has no setup.py: pass the root of a DeepEP checkout to --deepep-src")
+            raise InstallError("source", f"{source} has no setup.py: pass the root of a DeepEP checkout to "
+                               "--deepep-src")
         if os.path.isdir(source):
             try:
                 self.plan.line = line_of_source_tree(source)
@@ -481,8 +484,9 @@ class Installer:
             missing = [path for path in self._submodule_paths(source)
                        if not os.path.isdir(os.path.join(source, path)) or not os.listdir(os.path.join(source, path))]
             if missing:
-                raise InstallError("source", f"the DeepEP tree at {source} lacks its submodule(s) {', '.join(missing)}: "
-                                   f"run `git -C {source} submodule update --init --recursive` (or copy them in)")
+                raise InstallError("source", f"the DeepEP tree at {source} lacks its submodule(s) "
+                                   f"{', '.join(missing)}: run `git -C {source} submodule update --init --recursive` "
+                                   "(or copy them in)")
         self.plan.source = source
         self.plan.version = source_tree_version(source)
         return f"DeepEP {self.plan.version} ({self.plan.line.name} line, {self.plan.line.buffer_class}) at {source}"
@@ -511,22 +515,24 @@ class Installer:
             nvcc, version = self._nvcc_from_registry(nvcc, version)
         if nvcc is None:
             raise InstallError("toolchain", "nvcc not found (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda): DeepEP "
-                               "builds with it and JIT-compiles its kernels with it at run time; install a CUDA toolkit")
+                               "builds with it and JIT-compiles its kernels with it at run time; install a CUDA "
+                               "toolkit")
         self.plan.cuda_home = os.path.dirname(os.path.dirname(nvcc))
         if line.needs_nvshmem and not (self.system.has_distribution_like("nvidia-nvshmem")
                                        or any(k in self.system.env for k in ("EP_NVSHMEM_ROOT_DIR", "NVSHMEM_DIR"))):
-            raise InstallError("toolchain", f"DeepEP {line.name} builds its legacy kernels against NVSHMEM, which is not "
-                               "installed: `pip install nvidia-nvshmem-cu13` (or -cu12), or set NVSHMEM_DIR")
+            raise InstallError("toolchain", f"DeepEP {line.name} builds its legacy kernels against NVSHMEM, which "
+                               "is not installed: `pip install nvidia-nvshmem-cu13` (or -cu12), or set NVSHMEM_DIR")
         return f"sm_{arch}, nvcc {version_text(version)} at {nvcc}"
 
-    def _nvcc_from_registry(self, nvcc: Optional[str], version: Optional[Version]) -> tuple[Optional[str], Optional[Version]]:
+    def _nvcc_from_registry(self, nvcc: Optional[str],
+                            version: Optional[Version]) -> tuple[Optional[str], Optional[Version]]:
         line = self.plan.line
         found = f"nvcc {version_text(version)} at {nvcc}" if nvcc else "no nvcc"
         if not self.options.nvcc_from_registry:
-            raise InstallError("toolchain", f"DeepEP {line.name}'s JIT needs nvcc >= {version_text(line.min_nvcc)}; found "
-                               f"{found}. Install a CUDA {version_text(line.min_nvcc)}+ toolkit and set CUDA_HOME, or "
-                               "pass --nvcc-from-registry (pip wheels nvidia-cuda-nvcc / nvidia-nvvm / nvidia-cuda-crt; "
-                               "their cubins run on a CUDA 13.0 driver, their PTX needs a newer one)")
+            raise InstallError("toolchain", f"DeepEP {line.name}'s JIT needs nvcc >= {version_text(line.min_nvcc)}; "
+                               f"found {found}. Install a CUDA {version_text(line.min_nvcc)}+ toolkit and set "
+                               "CUDA_HOME, or pass --nvcc-from-registry (pip wheels nvidia-cuda-nvcc / nvidia-nvvm / "
+                               "nvidia-cuda-crt; their cubins run on a CUDA 13.0 driver, their PTX needs a newer one)")
         self._pip("toolchain", *[f"{name}>={version_text(line.min_nvcc)}" for name in NVCC_WHEELS])
         if self.options.dry_run:
             return os.path.join(self.system.site_packages(), "nvidia", "cu13", "bin", "nvcc"), line.min_nvcc
@@ -578,7 +584,8 @@ class Installer:
         minimum = self.plan.line.min_nccl
         if version < minimum:
             raise InstallError("nccl", f"the NCCL source tree at {source} is {version_text(version)}; DeepEP "
-                               f"{self.plan.line.name} needs >= {version_text(minimum)}: check out a newer NCCL release")
+                               f"{self.plan.line.name} needs >= {version_text(minimum)}: check out a newer NCCL "
+                               "release")
         prefix = os.path.abspath(self.options.nccl_prefix or self._default_nccl_prefix(version))
         root = os.path.join(prefix, "nvidia", "nccl")
         stamp = {"version": list(version), "arch": self.plan.arch, "source": source}
@@ -646,7 +653,8 @@ class Installer:
         if self.plan.nccl_kind != "source":
             return "no change (PyTorch loads the NCCL DeepEP builds against)"
         prefix = os.path.dirname(os.path.dirname(self.plan.nccl_root))
-        content = (f"# megatron-deepepv2 install_deepep: PyTorch loads the NCCL under {prefix}. Delete this file to undo.\n"
+        content = (f"# megatron-deepepv2 install_deepep: PyTorch loads the NCCL under {prefix}. "
+                   "Delete this file to undo.\n"
                    f"import sys; sys.path.insert(0, {prefix!r}) if {prefix!r} not in sys.path else None\n")
         current = open(pth, encoding="utf-8").read() if os.path.isfile(pth) else None
         if current != content and not self.options.dry_run:
@@ -676,8 +684,8 @@ class Installer:
                 self.plan.cc = self._matching_c_compiler(path)
                 return f"{path} links libstdc++ dynamically" + (f" (C compiler {self.plan.cc})" if self.plan.cc else "")
             verdicts.append(f"{path}: {verdict}")
-        raise InstallError("compiler", "no C++ compiler that links libstdc++ dynamically (deep_ep._C with a static copy "
-                           "crashes inside std::regex at the first dispatch): " + "; ".join(verdicts)
+        raise InstallError("compiler", "no C++ compiler that links libstdc++ dynamically (deep_ep._C with a static "
+                           "copy crashes inside std::regex at the first dispatch): " + "; ".join(verdicts)
                            + ". Install g++ (e.g. GCC 13 at /usr/bin/g++) and pass --cxx")
 
     def _probe_compiler(self, cxx: str) -> Optional[str]:
@@ -691,7 +699,9 @@ class Installer:
             if code != 0 or not os.path.isfile(output):
                 return f"cannot build a shared object (exit {code})"
             needed = self.system.needed_libraries(output)
-        return None if links_libstdcxx_dynamically(needed) else f"links libstdc++ statically (NEEDED: {', '.join(needed)})"
+        if links_libstdcxx_dynamically(needed):
+            return None
+        return f"links libstdc++ statically (NEEDED: {', '.join(needed)})"
 
     def _matching_c_compiler(self, cxx: str) -> Optional[str]:
         base = os.path.basename(cxx)
@@ -727,7 +737,8 @@ class Installer:
                 self._build_deep_ep_wheel(fingerprint)  # the wheel alone: the installed build is this tree's
                 done += "; its wheel built anew"
             return done
-        if installed and not self.options.replace_deep_ep and (ours or {}).get("installed_version") != installed["version"]:
+        if installed and not self.options.replace_deep_ep \
+                and (ours or {}).get("installed_version") != installed["version"]:
             raise InstallError("deep_ep", f"a deep_ep {installed['version']} that this installer did not install is "
                                "already there (DeepEP v1, HybridEP and DeepEP v2 all install the module deep_ep): pass "
                                "--replace-deep-ep to replace it, or use another environment")
@@ -826,59 +837,93 @@ class Installer:
     def _step_check_wheels(self) -> str:
         """Wheels mode: the manifest against this machine (GPU architecture, Python, torch, CUDA, NCCL, paths)."""
         folder = os.path.abspath(self.options.from_wheels or "")
-        try:
-            with open(os.path.join(folder, WHEEL_MANIFEST), encoding="utf-8") as manifest_file:
-                manifest = json.load(manifest_file)
-        except (OSError, ValueError) as error:
-            raise InstallError("wheels", f"{folder} has no readable {WHEEL_MANIFEST} ({error}): point --from-wheels at "
-                               "the folder an installer run with --wheel-dir wrote") from error
-        self._manifest = manifest
-        missing = [name for name in (manifest.get("deep_ep_wheel"), manifest.get("nccl_wheel"))
-                   if name and not os.path.isfile(os.path.join(folder, name))]
-        if missing or not manifest.get("deep_ep_wheel"):
-            raise InstallError("wheels", f"{folder} lacks the wheel(s) its manifest names: {', '.join(missing) or 'deep_ep'}")
+        manifest = self._manifest = self._read_manifest(folder)
         lines = {line.name: line for line in LINES}
         if manifest.get("line") not in lines:
-            raise InstallError("wheels", f"the manifest names DeepEP line {manifest.get('line')!r}; this installer knows "
-                               f"{sorted(lines)}: upgrade megatron-deepepv2 or rebuild the wheels")
+            raise InstallError("wheels", f"the manifest names DeepEP line {manifest.get('line')!r}; this installer "
+                               f"knows {sorted(lines)}: upgrade megatron-deepepv2 or rebuild the wheels")
         self.plan.line = lines[manifest["line"]]
         self.plan.version = manifest.get("deep_ep_version", "unknown")
         arch = self.options.arch or self.system.gpu_arch()
         wanted = manifest.get("arch")
         if arch != wanted:
             raise InstallError("wheels", f"the wheels were built for sm_{wanted}; this machine's GPU is "
-                               f"{'sm_' + arch if arch else 'not visible'}: build on (or for) this GPU with --deepep-src")
+                               f"{'sm_' + arch if arch else 'not visible'}: build on (or for) this GPU with "
+                               "--deepep-src")
         self.plan.arch = arch
         probe = self.system.probe_python(self.system.python, False, self.system.env)
         for key, what in (("python", "Python"), ("torch", "PyTorch"), ("cuda", "PyTorch's CUDA")):
             if manifest.get(key) and probe.get(key) and manifest[key] != probe[key]:
-                raise InstallError("wheels", f"the wheels were built with {what} {manifest[key]}; this environment has "
-                                   f"{probe[key]} (deep_ep._C is built against PyTorch's C++ ABI and CUDA): install them "
-                                   "where the build ran's versions are, or build here with --deepep-src")
+                raise InstallError("wheels", f"the wheels were built with {what} {manifest[key]}; this environment "
+                                   f"has {probe[key]} (deep_ep._C is built against PyTorch's C++ ABI and CUDA): "
+                                   "install them where the build ran's versions are, or build here with --deepep-src")
+        where = self._adopt_wheels_nccl(manifest, probe)
+        return (f"DeepEP {self.plan.version} ({self.plan.line.name} line) for sm_{arch}, "
+                f"Python {manifest.get('python')}, torch {manifest.get('torch')}, CUDA {manifest.get('cuda')}, "
+                f"{where}: this machine matches")
+
+    @staticmethod
+    def _read_manifest(folder: str) -> dict[str, Any]:
+        """Wheels mode: the manifest a ``--wheel-dir`` build wrote to ``folder``, with every wheel it names there.
+
+        Args:
+            folder: The ``--from-wheels`` folder.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            InstallError: If the manifest is missing or unreadable, or a wheel it names is not in ``folder``.
+        """
+        try:
+            with open(os.path.join(folder, WHEEL_MANIFEST), encoding="utf-8") as manifest_file:
+                manifest = json.load(manifest_file)
+        except (OSError, ValueError) as error:
+            raise InstallError("wheels", f"{folder} has no readable {WHEEL_MANIFEST} ({error}): point --from-wheels "
+                               "at the folder an installer run with --wheel-dir wrote") from error
+        missing = [name for name in (manifest.get("deep_ep_wheel"), manifest.get("nccl_wheel"))
+                   if name and not os.path.isfile(os.path.join(folder, name))]
+        if missing or not manifest.get("deep_ep_wheel"):
+            raise InstallError("wheels", f"{folder} lacks the wheel(s) its manifest names: "
+                               f"{', '.join(missing) or 'deep_ep'}")
+        return manifest
+
+    def _adopt_wheels_nccl(self, manifest: dict[str, Any], probe: dict[str, Any]) -> str:
+        """Wheels mode: plans the NCCL the wheels' deep_ep was built against, where it will be on this machine.
+
+        Args:
+            manifest: The wheels' manifest; its ``nccl`` entry names the NCCL's kind, version, and the path or
+                package it came from.
+            probe: What a fresh Python of this environment reports (``System.probe_python``).
+
+        Returns:
+            Where that NCCL comes from, for the step's summary.
+
+        Raises:
+            InstallError: If a source-built NCCL's wheel would install elsewhere than where deep_ep looks for it, or
+                PyTorch here loads another NCCL than the one the build ran against.
+        """
         nccl = manifest.get("nccl") or {}
         version = tuple(nccl.get("version") or ())
         if nccl.get("kind") == "source":
             root = os.path.join(self.system.prefix, nccl["prefix_relative"], "nvidia", "nccl")
             if os.path.normpath(root) != os.path.normpath(nccl["root"]):
-                raise InstallError("wheels", f"deep_ep was built for the NCCL at {nccl['root']}; its wheel would go to "
-                                   f"{root} in this environment ({self.system.prefix}), and deep_ep looks for NCCL where "
-                                   "it was built: install into an environment at the same path as the build's, or "
-                                   "build here with --deepep-src")
+                raise InstallError("wheels", f"deep_ep was built for the NCCL at {nccl['root']}; its wheel would go "
+                                   f"to {root} in this environment ({self.system.prefix}), and deep_ep looks for NCCL "
+                                   "where it was built: install into an environment at the same path as the build's, "
+                                   "or build here with --deepep-src")
             self._set_nccl("source", root, version)
-            where = f"NCCL {version_text(version)} from {manifest['nccl_wheel']}"
-        else:
-            loaded = tuple(probe.get("nccl") or ())
-            if loaded != version:
-                hint = (f"pip install '{nccl['package']}=={version_text(version)}'" if nccl.get("package")
-                        else f"a PyTorch that loads NCCL {version_text(version)}")
-                raise InstallError("wheels", f"deep_ep was built against NCCL {version_text(version)}, which PyTorch "
-                                   f"loaded there; here it loads {version_text(loaded)}: install {hint} first")
-            mapped = probe.get("mapped") or [""]
-            self._set_nccl(nccl.get("kind", "torch"), os.path.dirname(os.path.dirname(os.path.realpath(mapped[0]))),
-                           version)
-            where = f"PyTorch's NCCL {version_text(version)}"
-        return (f"DeepEP {self.plan.version} ({self.plan.line.name} line) for sm_{arch}, Python {manifest.get('python')}, "
-                f"torch {manifest.get('torch')}, CUDA {manifest.get('cuda')}, {where}: this machine matches")
+            return f"NCCL {version_text(version)} from {manifest['nccl_wheel']}"
+        loaded = tuple(probe.get("nccl") or ())
+        if loaded != version:
+            hint = (f"pip install '{nccl['package']}=={version_text(version)}'" if nccl.get("package")
+                    else f"a PyTorch that loads NCCL {version_text(version)}")
+            raise InstallError("wheels", f"deep_ep was built against NCCL {version_text(version)}, which PyTorch "
+                               f"loaded there; here it loads {version_text(loaded)}: install {hint} first")
+        mapped = probe.get("mapped") or [""]
+        self._set_nccl(nccl.get("kind", "torch"), os.path.dirname(os.path.dirname(os.path.realpath(mapped[0]))),
+                       version)
+        return f"PyTorch's NCCL {version_text(version)}"
 
     def _step_install(self) -> str:
         """Wheels mode: ``pip install`` of the wheels, then PyTorch must load the wheel's NCCL."""
@@ -910,8 +955,8 @@ class Installer:
         mapped = [os.path.realpath(p) for p in probe.get("mapped") or []]
         if mapped != [expected]:
             raise InstallError(step, f"with {cause} in place PyTorch maps {mapped or 'no libnccl'}, not only "
-                               f"{expected}. Something loads another NCCL first (LD_PRELOAD, LD_LIBRARY_PATH, an earlier "
-                               "sys.path entry with nvidia/nccl/lib): remove it and rerun")
+                               f"{expected}. Something loads another NCCL first (LD_PRELOAD, LD_LIBRARY_PATH, an "
+                               "earlier sys.path entry with nvidia/nccl/lib): remove it and rerun")
 
     def _checked_extension(self, step: str, log_name: str) -> tuple[dict[str, Any], str]:
         """The deep_ep a ``pip install`` just installed and its extension, checked (else the step fails)."""
@@ -940,11 +985,12 @@ class Installer:
                                f"(exports {probe.get('buffers')}): another deep_ep shadows it on sys.path")
         mapped = probe.get("mapped") or []
         if len(mapped) != 1:
-            raise InstallError("verify", f"{len(mapped)} NCCL libraries are mapped ({', '.join(mapped)}); exactly one may "
-                               "be (DeepEP asserts it): drop LD_PRELOAD / LD_LIBRARY_PATH entries of other NCCLs")
+            raise InstallError("verify", f"{len(mapped)} NCCL libraries are mapped ({', '.join(mapped)}); exactly "
+                               "one may be (DeepEP asserts it): drop LD_PRELOAD / LD_LIBRARY_PATH entries of other "
+                               "NCCLs")
         gin = decide_gin(1, self.system.env, self.system.rdma_devices)  # one node: the installer's
-        return (f"deep_ep {probe.get('deep_ep')} imports with {buffer}; NCCL {version_text(tuple(probe.get('nccl') or ()))} "
-                f"at {mapped[0]}; GIN: {gin.reason}")
+        return (f"deep_ep {probe.get('deep_ep')} imports with {buffer}; "
+                f"NCCL {version_text(tuple(probe.get('nccl') or ()))} at {mapped[0]}; GIN: {gin.reason}")
 
     def _step_doctor(self) -> Any:
         if self.options.dry_run or not self.options.run_doctor:
@@ -957,15 +1003,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (one option per :class:`InstallOptions` field)."""
     defaults = InstallOptions()
     parser = argparse.ArgumentParser(prog="python -m megatron_deepepv2.cli.install_deepep",
-                                     description="Build and install DeepEP v2 for megatron-deepepv2, ending with the doctor.")
+                                     description="Build and install DeepEP v2 for megatron-deepepv2, ending with the "
+                                                 "doctor.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--deepep-src", help="DeepEP source tree (2.1 or V2.5), or a git URL to clone")
     source.add_argument("--from-wheels", metavar="DIR",
                         help="install the wheels a --wheel-dir build wrote to DIR instead of building (same GPU "
                              "architecture, Python, PyTorch and CUDA)")
     parser.add_argument("--wheel-dir", metavar="DIR",
-                        help="also write the build's deep_ep (and source-built NCCL) as wheels to DIR, with a manifest, "
-                             "for --from-wheels on other machines (DIR's earlier wheels of both are replaced)")
+                        help="also write the build's deep_ep (and source-built NCCL) as wheels to DIR, with a "
+                             "manifest, for --from-wheels on other machines (DIR's earlier wheels of both are "
+                             "replaced)")
     nccl = parser.add_mutually_exclusive_group()
     nccl.add_argument("--nccl-src", help="NCCL source tree to build (for this GPU only) when no suitable NCCL is there")
     nccl.add_argument("--nccl-from-registry", action="store_true",
@@ -977,7 +1025,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cxx", help="C++ compiler (default: the first that links libstdc++ dynamically)")
     parser.add_argument("--arch", help="GPU architecture, e.g. 90 (default: the visible GPU's)")
     parser.add_argument("--jobs", type=int, default=defaults.jobs, help="parallel build jobs (default: %(default)s)")
-    parser.add_argument("--replace-deep-ep", action="store_true", help="replace a deep_ep not installed by this command")
+    parser.add_argument("--replace-deep-ep", action="store_true",
+                        help="replace a deep_ep not installed by this command")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and commands, change nothing")
     parser.add_argument("--no-doctor", dest="run_doctor", action="store_false", help="do not run the doctor at the end")
     return parser
