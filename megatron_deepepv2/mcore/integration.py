@@ -62,11 +62,14 @@ import sys
 import threading
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from packaging.version import Version
 
 from megatron_deepepv2.mcore.megatron_config import check_megatron_config
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -256,14 +259,7 @@ def _make_dispatcher_class():
             """
             if self.config.moe_flex_dispatcher_backend != BACKEND_NAME:
                 return super().dispatch_preprocess(hidden_states, routing_map, probs)
-            self.hidden_shape = hidden_states.shape
-            hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
-            # Probabilities over the TPxEP group, [T, ep, tp, E_local]: replicated over the TP ranks, as Megatron's
-            # _initialize_metadata does (a view when tp == 1; the manager's reshape copies it otherwise).
-            probs = probs.reshape(probs.shape[0], self.ep_size, 1, self.num_local_experts).expand(
-                -1, -1, self.tp_size, -1)
-            self._comm_manager.setup_metadata(routing_map, probs)
-            return hidden_states, self._comm_manager.token_probs
+            return _deepepv2_dispatch_preprocess(self, hidden_states, routing_map, probs)
 
         def reset_over_budget(self) -> None:
             """Megatron's over-budget reset; for deepepv2 it also clears the manager's ``dropped_rows``."""
@@ -272,6 +268,29 @@ def _make_dispatcher_class():
             self._comm_manager.reset_over_budget()
 
     return DeepepV2FlexTokenDispatcher
+
+
+def _deepepv2_dispatch_preprocess(dispatcher: Any, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                                  probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deepepv2 flex dispatcher's ``dispatch_preprocess``: two views and the manager's metadata, uncompiled.
+
+    Args:
+        dispatcher: The ``DeepepV2FlexTokenDispatcher`` (its ``hidden_shape`` is set for the combine).
+        hidden_states: ``[S, B, H]`` (or any ``[..., H]``) tokens.
+        routing_map: ``[T, E]`` router map (only its token count is used).
+        probs: ``[T, E]`` routing probabilities, zero where not selected.
+
+    Returns:
+        ``([T, H] tokens, [T, K] probabilities of the selected experts)``.
+    """
+    dispatcher.hidden_shape = hidden_states.shape
+    hidden_states = hidden_states.view(-1, dispatcher.hidden_shape[-1])
+    # Probabilities over the TPxEP group, [T, ep, tp, E_local]: replicated over the TP ranks, as Megatron's
+    # _initialize_metadata does (a view when tp == 1; the manager's reshape copies it otherwise).
+    probs = probs.reshape(probs.shape[0], dispatcher.ep_size, 1, dispatcher.num_local_experts).expand(
+        -1, -1, dispatcher.tp_size, -1)
+    dispatcher._comm_manager.setup_metadata(routing_map, probs)
+    return hidden_states, dispatcher._comm_manager.token_probs
 
 
 _logged_managers: set[tuple[str, str]] = set()
@@ -528,6 +547,82 @@ _FUNCTION_PATCHES: tuple[tuple[list[str], str, Callable[[Callable], Callable], s
 )
 
 
+def _checked_megatron_version() -> Version:
+    """The installed megatron-core's version, refused before 0.17 and warned about past the tested releases.
+
+    Returns:
+        The version.
+
+    Raises:
+        RuntimeError: If the installed megatron-core is older than 0.17.
+    """
+    version = megatron_version()
+    if version < MIN_MEGATRON:
+        raise RuntimeError(
+            f"megatron-deepepv2 needs megatron-core >= {MIN_MEGATRON.base_version} (tested: {TESTED_RANGE}); "
+            f"megatron-core {version} is installed. Upgrade it (pip install 'megatron-core{TESTED_RANGE}')."
+        )
+    if version >= TESTED_BELOW:
+        logger.warning(
+            "megatron-core %s is newer than the releases megatron-deepepv2 is tested with (%s); its patches are "
+            "applied and each raises naming itself if this release changed what it patches.", version, TESTED_RANGE,
+        )
+    return version
+
+
+def _uses_native_manager(report: InstallReport, version: Version) -> bool:
+    """Applies the ``manager`` setting to a megatron-core that may ship its own deepepv2, logging the choice.
+
+    Args:
+        report: The install's report so far (its ``manager`` and ``native_available`` decide).
+        version: The installed megatron-core's version, for the messages.
+
+    Returns:
+        True when deepepv2 layers use megatron-core's own manager and Megatron stays unpatched.
+
+    Raises:
+        RuntimeError: If ``MEGATRON_DEEPEPV2_MANAGER=native`` asks for a deepepv2 this megatron-core does not ship.
+    """
+    if report.manager == "native":
+        if not report.native_available:
+            raise RuntimeError(
+                f"MEGATRON_DEEPEPV2_MANAGER=native asks for megatron-core's own deepepv2, but megatron-core "
+                f"{version} has none. Unset it (or set 'plugin') to use megatron-deepepv2's.")
+        logger.info(
+            "MEGATRON_DEEPEPV2_MANAGER=native: deepepv2 layers use megatron-core %s's own _DeepepV2Manager; "
+            "megatron-deepepv2 leaves Megatron unpatched.", version,
+        )
+        return True
+    if report.native_available:
+        logger.info(
+            "megatron-core %s ships its own deepepv2; deepepv2 layers use megatron-deepepv2's _DeepepV2Manager "
+            "instead (expand layout, no host sync, CUDA graphs, determinism). Set MEGATRON_DEEPEPV2_MANAGER=native "
+            "for megatron-core's.", version,
+        )
+    return False
+
+
+def _apply_patches(report: InstallReport) -> None:
+    """Applies every patch of the module docstring's table to Megatron, each named in ``report.patches``.
+
+    Args:
+        report: The install's report; the patches applied are appended to its ``patches``.
+    """
+    _widen_backend_literal()
+    report.patches.append("TransformerConfig.moe_flex_dispatcher_backend accepts 'deepepv2'")
+    _patch_config_validation()
+    report.patches.append("TransformerConfig.__post_init__ validates deepepv2")
+    _install_dispatcher()
+    report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
+    _patch_moe_layer_expert_check()
+    report.patches.append("MoELayer.__init__ builds the experts setting's module and checks no-host-sync support")
+    if _hook_finalize_model_grads():
+        report.patches.append("config.finalize_model_grads_func releases retired deepepv2 buffers after it runs")
+    for modules, name, make_wrapper, description in _FUNCTION_PATCHES:
+        if _replace_function(modules, name, make_wrapper):
+            report.patches.append(description)
+
+
 # ----------------------------------------------------------------------------------------------
 def install() -> InstallReport:
     """Teaches the installed megatron-core the ``deepepv2`` flex-dispatcher backend.
@@ -548,17 +643,7 @@ def install() -> InstallReport:
             return _report
         # Before anything imports megatron.core, which imports fused_a2a: it reads deep_ep's names once.
         legacy_deepep = _expose_legacy_deepep_to_megatron()
-        version = megatron_version()
-        if version < MIN_MEGATRON:
-            raise RuntimeError(
-                f"megatron-deepepv2 needs megatron-core >= {MIN_MEGATRON.base_version} (tested: {TESTED_RANGE}); "
-                f"megatron-core {version} is installed. Upgrade it (pip install 'megatron-core{TESTED_RANGE}')."
-            )
-        if version >= TESTED_BELOW:
-            logger.warning(
-                "megatron-core %s is newer than the releases megatron-deepepv2 is tested with (%s); its patches are "
-                "applied and each raises naming itself if this release changed what it patches.", version, TESTED_RANGE,
-            )
+        version = _checked_megatron_version()
         from megatron_deepepv2.config import get_settings  # noqa: PLC0415
 
         manager = get_settings().manager  # reading the settings checks them
@@ -566,39 +651,11 @@ def install() -> InstallReport:
                                manager=manager)
         if legacy_deepep:  # a change to deep_ep, not to Megatron: made whichever manager deepepv2 layers get
             report.patches.append(legacy_deepep)
-        if manager == "native":
-            if not report.native_available:
-                raise RuntimeError(
-                    f"MEGATRON_DEEPEPV2_MANAGER=native asks for megatron-core's own deepepv2, but megatron-core "
-                    f"{version} has none. Unset it (or set 'plugin') to use megatron-deepepv2's.")
-            logger.info(
-                "MEGATRON_DEEPEPV2_MANAGER=native: deepepv2 layers use megatron-core %s's own _DeepepV2Manager; "
-                "megatron-deepepv2 leaves Megatron unpatched.", version,
-            )
+        if _uses_native_manager(report, version):
             report.native = True
-            _report = report
-            return report
-        if report.native_available:
-            logger.info(
-                "megatron-core %s ships its own deepepv2; deepepv2 layers use megatron-deepepv2's _DeepepV2Manager "
-                "instead (expand layout, no host sync, CUDA graphs, determinism). Set MEGATRON_DEEPEPV2_MANAGER=native "
-                "for megatron-core's.", version,
-            )
-
-        _widen_backend_literal()
-        report.patches.append("TransformerConfig.moe_flex_dispatcher_backend accepts 'deepepv2'")
-        _patch_config_validation()
-        report.patches.append("TransformerConfig.__post_init__ validates deepepv2")
-        _install_dispatcher()
-        report.patches.append("moe_layer.MoEFlexTokenDispatcher builds _DeepepV2Manager")
-        _patch_moe_layer_expert_check()
-        report.patches.append("MoELayer.__init__ builds the experts setting's module and checks no-host-sync support")
-        if _hook_finalize_model_grads():
-            report.patches.append("config.finalize_model_grads_func releases retired deepepv2 buffers after it runs")
-        for modules, name, make_wrapper, description in _FUNCTION_PATCHES:
-            if _replace_function(modules, name, make_wrapper):
-                report.patches.append(description)
-        logger.info("megatron-deepepv2 installed into megatron-core %s: %s", version, "; ".join(report.patches))
+        else:
+            _apply_patches(report)
+            logger.info("megatron-deepepv2 installed into megatron-core %s: %s", version, "; ".join(report.patches))
         _report = report
         return report
 
