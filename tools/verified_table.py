@@ -115,8 +115,12 @@ CAPABILITIES: tuple[Capability, ...] = (
                "whole TE layers in CUDA graphs; against alltoall, in functional cases and `pretrain_gpt.py`; "
                "[what runs](usage.md#transformer-engine)", GPU,
                jsons=("docs/functional_te_h100_ep1.json", "docs/training_te_h100_ep1.json",
-                      "docs/training_te_deterministic_h100_ep1.json", "docs/megatron_conformance_te_h100_ep1.json"),
+                      "docs/training_te_deterministic_h100_ep1.json", "docs/megatron_conformance_te_h100_ep1.json",
+                      "docs/training_rounds_gpt_moe_te_h100_ep1.json"),
                short="Transformer Engine (H100)"),
+    Capability("the GPU suite, `make test` on 1x H100 with DeepEP: without Transformer Engine on a fresh machine, then "
+               "with it", GPU, jsons=("docs/gpu_suite_h100_ep1.json",),
+               short="the GPU suite with and without TE"),
     Capability("megatron-core 0.17.1 and 0.18.2", CPU,
                tests=("make test-compat", "tests/unit/test_megatron_integration.py", "tests/unit/test_no_host_sync.py",
                       "tests/unit/test_ep_overlap.py", "tests/cli/test_run_entry_point.py", "tests/cli/test_demo.py"),

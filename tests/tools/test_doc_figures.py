@@ -1091,22 +1091,6 @@ FIGURES: list[Figure] = [
                                                            "reference-hostsync", "reference-nohostsync")],
 
     # ---- README.md's headline, usage.md and install-deepep.md ----
-    fig("README.md", "**Eagerly**: {:.1f} against {:.1f} ms a step, {:.2f}x alltoall's time (rounds {:.2f}-{:.2f})",
-        J(ROUNDS, "configurations", "deepepv2-syncfree", "median_step_ms"),
-        J(ROUNDS, "configurations", "alltoall-syncfree", "median_step_ms"),
-        *median_min_max(rounds_ratios(ROUNDS, "deepepv2-syncfree", "alltoall-syncfree"))),
-    # The README's headline quotes the first machine's rounds and names their JSON only through training.md.
-    fig("README.md", "but {:.2f} and {:.2f} on another machine",
-        *rounds_ratios(FIRST_MACHINE, "deepepv2-syncfree", "alltoall-syncfree", (1, 2)), named_in="training.md"),
-    fig("README.md", "{:.1f} ms, **{:.2f}x** the time of alltoall with its own widest capture scope ({:.2f}-{:.2f}, "
-                     "every round), which builds no graph in a GPT layer ({:.1f} ms)",
-        J(ROUNDS, "configurations", "deepepv2-nohostsync-graphs", "median_step_ms"),
-        *median_min_max(rounds_ratios(ROUNDS, "deepepv2-nohostsync-graphs", "alltoall-syncfree-graphs")),
-        J(ROUNDS, "configurations", "alltoall-syncfree-graphs", "median_step_ms")),
-    fig("README.md", "`SequentialMLP`: a tie ({:.2f}, {:.2f})", *rounds_ratios(QWEN3, "deepepv2", "alltoall", (1, 2)),
-        named_in="training.md"),
-    fig("README.md", "3 interleaved rounds at {} on {}",
-        J(ROUNDS, "provenance", "git_commit"), calc(lambda date: date[:10], J(ROUNDS, "provenance", "date"))),
     fig("usage.md", "| Megatron `SequentialMLP` | {:.2f} ms | {:.2f} ms |",
         *[J(EXPERTS, "rows", i, "times_ms", "sequential_mlp") for i in (0, 1)]),
     fig("usage.md", "| `SyncFreeSequentialMLP`, exact rows (host sync) | {:.2f} ms (`SequentialMLP` {:.2f}x this) | "
@@ -1364,6 +1348,71 @@ TE_FIGURES: list[Figure] = [
       for label in ("deepepv2-te", "alltoall-te")],
 ]
 FIGURES += TE_FIGURES
+
+# ---- Transformer Engine rounds (training_rounds_gpt_moe_te_h100_ep1.json), README's headline; the GPU suite ----
+TE_ROUNDS, GPU_SUITE = "training_rounds_gpt_moe_te_h100_ep1.json", "gpu_suite_h100_ep1.json"
+TE_BEST = ("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs")
+TE_SAME = ("deepepv2-te-graphs", "alltoall-te-graphs")
+
+
+def te_rounds_row(label: str, experts: str, graphs: str) -> Figure:
+    """A row of the TE rounds' table: each round's step and the median."""
+    return fig("training.md", row(f"`{label}`", f"`{experts}`", graphs, "{:.1f}, {:.1f}, {:.1f}", "{:.1f}"),
+               *[round_time(TE_ROUNDS, f"{label}#{i}") for i in (1, 2, 3)],
+               J(TE_ROUNDS, "configurations", label, "median_step_ms"))
+
+
+def te_configuration(label: str) -> Source:
+    return J(TE_ROUNDS, "configurations", label, "median_step_ms")
+
+
+GPU_SUITE_FIGURES: list[Figure] = [
+    te_rounds_row("alltoall-te-graphs", "TEGroupedMLP", "TE's partial"),
+    te_rounds_row("deepepv2-te-graphs", "TEGroupedMLP", "TE's partial"),
+    te_rounds_row("alltoall-syncfree-te-graphs", "SyncFreeSequentialMLP", "TE's partial"),
+    te_rounds_row("deepepv2-nohostsync-te-layer-graphs", "SyncFreeSequentialMLP", "whole layers"),
+    fig("training.md", "| deepepv2 at its best / alltoall at its best | {:.3f}, {:.3f}, {:.3f} | **{:.3f}** "
+                       "({:.3f}-{:.3f}) | <= 0.60 | yes |",
+        *rounds_ratios(TE_ROUNDS, *TE_BEST), *median_min_max(rounds_ratios(TE_ROUNDS, *TE_BEST))),
+    fig("training.md", "| the same experts (`TEGroupedMLP`) and TE graph scope | {:.3f}, {:.3f}, {:.3f} | **{:.3f}** "
+                       "({:.3f}-{:.3f}), no round above 1.05 | <= 1.00 | yes |",
+        *rounds_ratios(TE_ROUNDS, *TE_SAME), *median_min_max(rounds_ratios(TE_ROUNDS, *TE_SAME))),
+    fig("training.md", "`SyncFreeSequentialMLP` ({:.1f}x faster than its `TEGroupedMLP` here)",
+        ratio(te_configuration("alltoall-te-graphs"), te_configuration("alltoall-syncfree-te-graphs"))),
+    fig("training.md", "stays within {} of `alltoall-te-graphs` over the 20 steps (two `alltoall-te-graphs` runs differ "
+                       "by up to {} themselves); whole-layer graphs end at {:.4f} against {:.4f}",
+        calc(lambda *gaps: short_e(max(gaps)), *[J(TE_ROUNDS, "loss_gap", f"deepepv2-te-graphs#{i}", "max_abs")
+                                                 for i in (1, 2, 3)]),
+        calc(lambda *gaps: short_e(max(gaps)), *[J(TE_ROUNDS, "loss_gap", f"alltoall-te-graphs#{i}", "max_abs")
+                                                 for i in (2, 3)]),
+        J(TE_ROUNDS, "runs", {"run": "deepepv2-nohostsync-te-layer-graphs#3"}, "last_loss"),
+        J(TE_ROUNDS, "runs", {"run": "alltoall-syncfree-te-graphs#3"}, "last_loss")),
+    fig("training.md", "One H100, Transformer Engine 2.20.2, DeepEP 2.1.0, NCCL 2.30.7, torch 2.11.0+cu130, "
+                       "megatron-core 0.19.2, commit {}", J(TE_ROUNDS, "provenance", "git_commit")),
+    fig("README.md", "3 interleaved rounds at {}, {} ([JSON](docs/training_rounds_gpt_moe_te_h100_ep1.json))",
+        J(TE_ROUNDS, "provenance", "git_commit"), calc(lambda date: date[:10], J(TE_ROUNDS, "provenance", "date"))),
+    fig("README.md", "**Each side at its best**: {:.1f} against {:.1f} ms a step, **{:.2f}x** alltoall's time (median "
+                     "of the rounds' {:.2f}-{:.2f})",
+        te_configuration(TE_BEST[0]), te_configuration(TE_BEST[1]),
+        *median_min_max(rounds_ratios(TE_ROUNDS, *TE_BEST))),
+    fig("README.md", "(`TEGroupedMLP`, TE's partial graphs): {:.1f} against {:.1f} ms, {:.2f}x ({:.2f}-{:.2f})",
+        te_configuration(TE_SAME[0]), te_configuration(TE_SAME[1]),
+        *median_min_max(rounds_ratios(TE_ROUNDS, *TE_SAME))),
+    *[fig("benchmarks.md", row(name, "{}", "{}", "{}", "{:.0f} s", "{:.1f} s", "{:.1f} s"),
+          *[J(GPU_SUITE, "runs", run, key) for key in ("passed", "failed", "skipped", "make_test_s", "pytest_s",
+                                                          "longest_wait_s")])
+      for run, name in (("plain", "without TE, cold DeepEP JIT cache"), ("te", "with TE (JIT cache warm)"))],
+    fig("benchmarks.md", "a one-GPU functional shard compiling DeepEP's kernels on a cold JIT cache ({:.1f} s; {:.1f} s "
+                         "warm)",
+        J(GPU_SUITE, "runs", "plain", "gpu_jobs", {"test": "tests/functional/test_deepep.py::test_deepep_cases_on_one_gpu[3]"},
+          "held_s"),
+        J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": "tests/functional/test_deepep.py::test_deepep_cases_on_one_gpu[3]"},
+          "held_s")),
+    fig("benchmarks.md", "The TE case file ran ({:.1f} s)",
+        J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": "tests/functional/test_transformer_engine.py::test_te_cases_on_one_gpu"},
+          "held_s")),
+]
+FIGURES += GPU_SUITE_FIGURES
 
 
 def mismatches(figure: Figure) -> list[str]:
