@@ -12,25 +12,42 @@ backward (median of ``--iters`` after warm-up, CUDA events) of:
 * ``sync_free_worst_case``: the same module on the no-host-sync worst-case buffer (``--worst-rows`` rows, the
   rest past the blocks) with device counts;
 * ``grouped_gemm_pair``: two bare ``torch._grouped_mm`` calls (FC1, FC2) on weights already stacked
-  ``[E, out, in]``, autograd backward: the GEMM work alone, the target's denominator.
+  ``[E, out, in]``, autograd backward: the GEMM work alone, the target's denominator;
+* with Transformer Engine: ``te_grouped_mlp``, Megatron's ``TEGroupedMLP`` (what ``--moe-grouped-gemm`` builds from
+  the TE spec), host counts; and, for squared ReLU (the one activation Megatron fuses on Hopper),
+  ``te_op_fuser``: the same module through TE's op fuser (``use_transformer_engine_op_fuser``). Both get
+  ``SyncFreeSequentialMLP``'s weights, so their outputs are checked against its. Without TE they are reported as not
+  run, with the reason.
 
-Activations: Megatron's SwiGLU, its default non-gated GELU, and the clamped quick-GeGLU of GPT-OSS-style models
-(``quick_gelu`` gated, ``activation_func_clamp_value`` 7, ``glu_linear_offset`` 1).
+Activations: Megatron's SwiGLU, its default non-gated GELU, the clamped quick-GeGLU of GPT-OSS-style models
+(``quick_gelu`` gated, ``activation_func_clamp_value`` 7, ``glu_linear_offset`` 1) and squared ReLU.
 
-Prints progress, checks the outputs against ``SequentialMLP``, writes ``bench_experts.json`` and
-``bench_experts.png`` to ``--out``::
+Shape sets (``--shapes``): ``dispatch``, the receive of the EP2 dispatch benchmarks' shapes and a DeepSeek-V3-like
+expert; ``training``, the expert shapes of the example models of ``examples/pretrain_gpt_moe_deepepv2.sh`` at EP=1
+(every expert local, top-8), as ``tools/train_gpt.py`` trains them.
+
+``--trace`` adds to each variant a summary of a few profiled iterations (``torch.profiler``): GPU kernel time and
+launches per forward + backward, the host's wall time per call, the synchronising CUDA calls, and the kernels that
+take the most GPU time. Profiling slows the launches: read it as counts and shares, the timings above as times.
+
+Prints progress, checks the outputs against ``SequentialMLP``, writes ``NAME.json`` and ``NAME.png`` to ``--out``
+(``bench_experts`` unless ``--name``)::
 
     python tools/bench_experts.py --out bench_out [--quick]
+    python tools/bench_experts.py --out bench_out --shapes training --name bench_experts_training --trace
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
+import time
+from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +71,7 @@ class ExpertShape:
         worst_rows: Rows of the no-host-sync worst-case buffer.
         alignment: Per-expert block alignment.
         activation: A key of :data:`ACTIVATIONS`.
+        model: The example model the shape is of (``MODEL`` of the example script), or None.
     """
 
     experts: int
@@ -63,25 +81,28 @@ class ExpertShape:
     worst_rows: int
     alignment: int = 128
     activation: str = "swiglu"
+    model: Optional[str] = None
 
     @property
     def label(self) -> str:
-        return f"E{self.experts} H{self.hidden} F{self.ffn} {self.activation}"
+        shape = f"E{self.experts} H{self.hidden} F{self.ffn} {self.activation}"
+        return f"{self.model}: {shape}" if self.model else shape
 
 
 def _activations() -> dict[str, dict]:
-    from megatron.core.activations import quick_gelu  # noqa: PLC0415
+    from megatron.core.activations import quick_gelu, squared_relu  # noqa: PLC0415
 
     return {
         "swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
         "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),
         "clamped_quick_geglu": dict(gated_linear_unit=True, activation_func=quick_gelu,
                                     activation_func_clamp_value=7.0, glu_linear_offset=1.0),
+        "squared_relu": dict(gated_linear_unit=False, activation_func=squared_relu),
     }
 
 
 #: Activation names: TransformerConfig fields (resolved when Megatron is importable).
-ACTIVATIONS = ("swiglu", "gelu", "clamped_quick_geglu")
+ACTIVATIONS = ("swiglu", "gelu", "clamped_quick_geglu", "squared_relu")
 
 # T4096 H4096 64 experts top-8 at EP2: 32 local experts, 32,768 selections, 65,536 worst-case rows.
 _EP2_SHAPE = dict(experts=32, hidden=4096, ffn=1024, selections=32768, worst_rows=65536)
@@ -90,6 +111,26 @@ SHAPES = [
     # DeepSeek-V3-like expert: H7168, FFN 2048, 128 local experts.
     ExpertShape(experts=128, hidden=7168, ffn=2048, selections=32768, worst_rows=65536),
 ]
+
+
+def training_shape(model: str, experts: int, hidden: int, ffn: int, tokens: int,
+                   activation: str = "swiglu") -> ExpertShape:
+    """An example model's experts at EP=1, top-8: every selection of ``tokens`` tokens is local; the worst-case buffer
+    holds them all plus a block's padding per expert."""
+    selections = 8 * tokens
+    return ExpertShape(experts=experts, hidden=hidden, ffn=ffn, selections=selections,
+                       worst_rows=selections + experts * 128, activation=activation, model=model)
+
+
+#: The expert shapes of examples/pretrain_gpt_moe_deepepv2.sh's models (``--shapes training``); gpt-moe once more with
+#: squared ReLU, the activation TE's op fuser takes on Hopper.
+TRAINING_SHAPES = [
+    training_shape("gpt-moe", experts=64, hidden=1024, ffn=256, tokens=4096),
+    training_shape("gpt-moe-large", experts=64, hidden=2048, ffn=768, tokens=16384),
+    training_shape("qwen3-moe-router", experts=128, hidden=1024, ffn=384, tokens=4096),
+    training_shape("gpt-moe", experts=64, hidden=1024, ffn=256, tokens=4096, activation="squared_relu"),
+]
+SHAPE_SETS = {"dispatch": SHAPES, "training": TRAINING_SHAPES}
 
 
 def aligned_counts(shape: ExpertShape, seed: int = 0) -> torch.Tensor:
@@ -101,32 +142,118 @@ def aligned_counts(shape: ExpertShape, seed: int = 0) -> torch.Tensor:
     return (counts + shape.alignment - 1) // shape.alignment * shape.alignment
 
 
+#: The expert modules :func:`build_experts` builds, by kind: Transformer Engine's need it installed.
+KINDS = ("sequential", "sync_free", "te_grouped_mlp", "te_op_fuser")
+
+
+def _expert_submodules(kind: str, experts: int):
+    """The experts' submodules of Megatron's local spec, or of its TE spec with grouped GEMM for the TE kinds."""
+    from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415
+
+    if kind.startswith("te_"):
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=True)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    module = (mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules).experts
+    return module.keywords["submodules"] if hasattr(module, "keywords") else module.submodules
+
+
 def build_experts(kind: str, shape: ExpertShape, seed: int = 1):
-    """``SequentialMLP`` or ``SyncFreeSequentialMLP`` of ``shape`` on the GPU, BF16, no bias."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The expert module ``kind`` (one of :data:`KINDS`) of ``shape`` on the GPU, BF16, no bias.
+
+    Raises:
+        ValueError: A TE kind without Transformer Engine, or the op fuser with an activation it does not fuse.
+    """
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_deepepv2.mcore.experts import SyncFreeSequentialMLP
     from megatron_deepepv2.testing.moe_model import init_expert_parallel
 
+    if kind == "te_op_fuser" and shape.activation != "squared_relu":
+        raise ValueError(f"TE's op fuser fuses squared ReLU only on Hopper, not {shape.activation}")
+    if kind.startswith("te_") and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(f"{kind} needs Transformer Engine (transformer_engine is not installed)")
     init_expert_parallel(1)
+    fuser = dict(use_transformer_engine_op_fuser=True, use_fused_weighted_squared_relu=True) \
+        if kind == "te_op_fuser" else {}
     config = TransformerConfig(
         num_layers=1, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn, moe_ffn_hidden_size=shape.ffn,
         num_attention_heads=8, num_moe_experts=shape.experts, moe_router_topk=8, **_activations()[shape.activation],
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-        gradient_accumulation_fusion=False, moe_grouped_gemm=False,
+        gradient_accumulation_fusion=False, moe_grouped_gemm=kind.startswith("te_"), **fuser,
     )
-    mlp = get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False).submodules.mlp
-    experts = (mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules).experts
-    submodules = experts.keywords["submodules"] if hasattr(experts, "keywords") else experts.submodules
-    cls = SequentialMLP if kind == "sequential" else SyncFreeSequentialMLP
+    submodules = _expert_submodules(kind, shape.experts)
+    cls = {"sequential": SequentialMLP, "sync_free": SyncFreeSequentialMLP}.get(kind, TEGroupedMLP)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)  # Megatron initialises expert weights on the GPU from its RNG tracker
     with torch.device("cuda"):
         return cls(shape.experts, config, submodules, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def copy_expert_weights(weight1: torch.Tensor, weight2: torch.Tensor, te_experts: torch.nn.Module) -> None:
+    """Gives a ``TEGroupedMLP`` the experts' weights stacked as ``SyncFreeSequentialMLP`` holds them (``weight1
+    [E, fc1_out, H]``, ``weight2 [E, H, ffn]``); TE's grouped linear layers hold ``weight{i} [out, in]`` per expert."""
+    with torch.no_grad():
+        for linear, stacked in ((te_experts.linear_fc1, weight1), (te_experts.linear_fc2, weight2)):
+            for expert in range(stacked.shape[0]):
+                getattr(linear, f"weight{expert}").copy_(stacked[expert])
+
+
+#: Host calls that wait for the GPU.
+SYNCHRONISING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def kernel_summary(averages: Any, calls: int, host_s: float, top: int = 5) -> dict:
+    """What a profiled run of ``calls`` forward + backward calls did, per call.
+
+    Args:
+        averages: ``torch.profiler.profile(...).key_averages()``: entries with ``key``, ``count``, ``device_type``
+            and ``device_time_total`` (us; ``cuda_time_total`` on older PyTorch).
+        calls: How many calls the profile holds.
+        host_s: The host's wall time of issuing them, seconds.
+        top: How many kernels to name.
+
+    Returns:
+        ``kernels`` and ``gpu_ms`` (launches and GPU time per call), ``host_ms`` per call, ``synchronising_calls`` and
+        ``memcpy_calls`` per call, ``top_kernels`` (name, launches and ms per call, the largest GPU time first).
+    """
+    kernels: Counter = Counter()
+    kernel_us: Counter = Counter()
+    runtime: Counter = Counter()
+    for entry in averages:
+        device_us = getattr(entry, "device_time_total", None)
+        if device_us is None:
+            device_us = getattr(entry, "cuda_time_total", 0.0)
+        if entry.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[entry.key] += entry.count
+            kernel_us[entry.key] += device_us
+        else:
+            runtime[entry.key] += entry.count
+    ranked = sorted(kernel_us, key=lambda name: -kernel_us[name])[:top]
+    return {"kernels": sum(kernels.values()) / calls, "gpu_ms": sum(kernel_us.values()) / calls / 1e3,
+            "host_ms": host_s / calls * 1e3,
+            "synchronising_calls": sum(runtime[name] for name in SYNCHRONISING_CALLS) / calls,
+            "memcpy_calls": sum(n for name, n in runtime.items() if name.startswith("cudaMemcpy")) / calls,
+            "top_kernels": [{"name": name[:120], "launches": kernels[name] / calls, "ms": kernel_us[name] / calls / 1e3}
+                            for name in ranked]}
+
+
+def profiled(fn: Callable[[], Any], calls: int = 3) -> dict:
+    """:func:`kernel_summary` of ``calls`` calls of ``fn`` under ``torch.profiler`` (after one call outside it)."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host_s = time.perf_counter() - started
+        torch.cuda.synchronize()
+    return kernel_summary(profile.key_averages(), calls, host_s)
 
 
 def fwd_bwd(module, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor):
@@ -154,10 +281,16 @@ def bench_shape(shape: ExpertShape, args) -> dict:
     x_worst = x.detach().clone().requires_grad_(True)
     probs_worst = probs.detach().clone().requires_grad_(True)
     times: dict[str, float] = {}
+    traces: dict[str, dict] = {}
 
     def timed(name: str, fn) -> None:
         times[name] = _bench.median_us(fn, args.iters, args.warmup, cuda=True) / 1000.0
         logger.info("   %-22s %8.3f ms", name, times[name])
+        if args.trace:
+            traces[name] = profiled(fn)
+            logger.info("   %-22s traced: %.0f kernels, GPU %.3f ms, host %.3f ms, %.0f synchronising calls a call",
+                        "", traces[name]["kernels"], traces[name]["gpu_ms"], traces[name]["host_ms"],
+                        traces[name]["synchronising_calls"])
 
     sync_free = build_experts("sync_free", shape)
     timed("sync_free_exact", lambda: fwd_bwd(sync_free, x_exact, counts, probs_exact, grad_exact))
@@ -184,6 +317,10 @@ def bench_shape(shape: ExpertShape, args) -> dict:
 
     timed("grouped_gemm_pair", gemm_pair)
     fc1_width = w1.shape[1]
+    not_run: dict[str, str] = {}
+    te_max_diff = {kind: _time_te_experts(kind, shape, sync_free, (x_exact, counts, probs_exact, grad_exact),
+                                          out_exact, timed, not_run)
+                   for kind in ("te_grouped_mlp", "te_op_fuser")}
     del sync_free, w1, w2
     torch.cuda.empty_cache()
 
@@ -212,7 +349,12 @@ def bench_shape(shape: ExpertShape, args) -> dict:
         "max_abs_sequential_output": ref_scale,
         "worst_case_tail_zero": tail_zero,
         "worst_case_equals_exact": worst_equal,
+        "te_over_exact": {kind: times[kind] / times["sync_free_exact"] for kind in te_max_diff if kind in times},
+        "max_abs_diff_vs_sync_free": {kind: diff for kind, diff in te_max_diff.items() if diff is not None},
+        "not_run": not_run,
     }
+    if traces:
+        row["trace"] = traces
     logger.info("   exact / GEMM pair %.3fx (target <= 1.15), worst case / exact %.3fx (target <= 1.05); tail zero %s, "
                 "worst == exact %s", row["exact_over_gemm_pair"], row["worst_case_over_exact"], tail_zero, worst_equal)
     if "sequential_mlp" in times:
@@ -221,15 +363,31 @@ def bench_shape(shape: ExpertShape, args) -> dict:
     return row
 
 
+def _time_te_experts(kind: str, shape: ExpertShape, sync_free: torch.nn.Module, inputs: tuple, out_exact: torch.Tensor,
+                     timed: Callable[[str, Callable[[], Any]], None], not_run: dict[str, str]) -> Optional[float]:
+    """Times the TE expert module ``kind`` on ``inputs`` (``x, counts, probs, grad``, host counts) with
+    ``sync_free``'s weights; returns its output's largest difference from ``out_exact``, None when it did not run."""
+    te_experts = _bench.build_or_reason(kind, lambda: build_experts(kind, shape), not_run)
+    if te_experts is None:
+        return None
+    copy_expert_weights(sync_free.weight1, sync_free.weight2, te_experts)
+    timed(kind, lambda: fwd_bwd(te_experts, *inputs))
+    out = fwd_bwd(te_experts, *inputs).detach()
+    diff = float((out.float() - out_exact.float()).abs().max())
+    logger.info("   %s / exact: max |diff| %.3g", kind, diff)
+    return diff
+
+
 def plot(document: dict, path: str) -> None:
     """Bars of each variant's time per shape, with their values."""
     rows = document["rows"]
-    keys = ["sequential_mlp", "sync_free_exact", "sync_free_worst_case", "grouped_gemm_pair"]
+    keys = [key for key in ("sequential_mlp", "sync_free_exact", "sync_free_worst_case", "grouped_gemm_pair",
+                            "te_grouped_mlp", "te_op_fuser") if any(key in row["times_ms"] for row in rows)]
     fig, ax = _bench.new_figure(9, 4.5)
     _bench.grouped_bars(ax, [row["config"] for row in rows],
                         {key: [row["times_ms"].get(key, 0.0) for row in rows] for key in keys}, value_format="%.2f")
     ax.set_ylabel("ms, forward + backward (median)")
-    ax.set_title("Expert compute on one H200 (BF16; lower is better)")
+    ax.set_title(f"Expert compute on one {document['device']} (BF16; lower is better)")
     _bench.save_figure(fig, path)
 
 
@@ -240,17 +398,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="first shape only, fewer iterations")
     parser.add_argument("--skip-sequential", action="store_true", help="do not time SequentialMLP (slow)")
+    parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="dispatch", help="the set of shapes")
+    parser.add_argument("--name", default="bench_experts", help="output file name without extension")
+    parser.add_argument("--trace", action="store_true", help="add each variant's profiled kernel summary")
     args = parser.parse_args(argv)
     _bench.setup_logging()
     _bench.require_cuda(parser)
     if args.quick:
         args.iters, args.warmup = 5, 2
     with _bench.process_group("nccl"):
-        document = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-        shapes = SHAPES[:1] if args.quick else SHAPES
+        document = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "versions": _bench.software_versions(), "provenance": _bench.provenance(), "shapes": args.shapes,
+                    "rows": []}
+        shapes = SHAPE_SETS[args.shapes][:1] if args.quick else SHAPE_SETS[args.shapes]
         for number, shape in enumerate(shapes, 1):
             document["rows"].append(bench_shape(shape, args))
-            _bench.write_outputs(args.out, "bench_experts", document, plot if number == len(shapes) else None)
+            _bench.write_outputs(args.out, args.name, document, plot if number == len(shapes) else None)
     return 0
 
 
