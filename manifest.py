@@ -117,6 +117,7 @@ KERNELS: tuple[KernelEntry, ...] = (
             "megatron_deepepv2/buffers.py",
             "megatron_deepepv2/groups.py",
             "megatron_deepepv2/failures.py",
+            "megatron_deepepv2/agreement.py",
             "megatron_deepepv2/validation.py",
             "megatron_deepepv2/expert_ids.py",
         ),

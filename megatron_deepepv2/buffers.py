@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.failures import (PeerFailure, all_reduce_max, announce_failure, begin_build, group_call,
-                                        raise_on_every_rank, rendezvous)
+from megatron_deepepv2.agreement import all_reduce_max, raise_on_every_rank, rendezvous
+from megatron_deepepv2.failures import PeerFailure, announce_failure, begin_build
 from megatron_deepepv2.groups import GroupState, known_groups, next_power_of_two, state_of
 
 if TYPE_CHECKING:
@@ -62,20 +62,20 @@ class _HandleRecords:
 _stats = BufferStats()
 
 
-def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spec: BufferSpec, num_tokens: int,
-               state: Optional[GroupState] = None) -> DispatchBackend:
-    """Returns the buffer for ``group`` and ``spec.key`` with room for ``num_tokens``, building or rebuilding it.
+def get_buffer(backend_cls: type[DispatchBackend], state: GroupState, spec: BufferSpec,
+               num_tokens: int) -> DispatchBackend:
+    """Returns the buffer for the group of ``state`` and ``spec.key`` with room for ``num_tokens``, building or
+    rebuilding it.
 
-    Collective when it builds: every rank of ``group`` must come. The token limit is
+    Collective when it builds: every rank of the group must come. The token limit is
     ``spec.settings.num_max_tokens_per_rank`` when set, else the largest first batch over the ranks rounded up to a
     power of two; a batch above it grows it to the maximum over the ranks, which the ranks must exceed together.
 
     Args:
         backend_cls: Backend class to build.
-        group: Expert-parallel process group.
+        state: The state of the expert-parallel process group.
         spec: What to build, for ``backend_cls``; its ``num_max_tokens_per_rank`` is ignored (the limit is set here).
         num_tokens: Tokens this call dispatches.
-        state: The state of ``group``, where the caller holds it (else looked up).
 
     Raises:
         RuntimeError: If a build would happen during CUDA-graph capture.
@@ -83,7 +83,6 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
             stopped waiting for this rank), or build with another key.
         PeerFailure: A peer failed in this call.
     """
-    state = state or state_of(group)
     key = (backend_cls.name, spec.key)
     current = state.buffers.get(key)
     if current is not None and num_tokens <= current.spec.num_max_tokens_per_rank:
@@ -91,13 +90,13 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("The deepepv2 communication buffer must be (re)built, which cannot happen during CUDA-graph "
                            "capture. Run one eager step with the same shapes before capturing.")
-    _meet_to_build(backend_cls.name, group, spec, num_tokens, current)
+    _meet_to_build(backend_cls.name, state, spec, num_tokens, current)
     # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
     # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
-    largest = raise_on_every_rank(None, group, agree=True, num_tokens=num_tokens, fields=spec.agreed,
+    largest = raise_on_every_rank(None, state, agree=True, num_tokens=num_tokens, fields=spec.agreed,
                                   values=[agreed.encode(spec) for agreed in spec.agreed], purpose="buffer builds")
     if state.retired:
-        _release(group, state)
+        _release(state)
     configured = spec.settings.num_max_tokens_per_rank
     # A configured limit is kept exact (without host sync it sizes every worst-case receive). Start from the group's
     # largest limit, so that a second key does not grow through the sizes the first one did.
@@ -110,8 +109,7 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
         logger.info("Rebuilding the %s buffer: %d tokens exceed the token limit %d (the old buffer is kept until no "
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
         state.retired.append(state.buffers.pop(key))
-    buffer = state.buffers[key] = backend_cls(group, replace(spec, num_max_tokens_per_rank=limit))
-    buffer.call = group_call(group)  # the context of the calls on its handles
+    buffer = state.buffers[key] = backend_cls(state.group, replace(spec, num_max_tokens_per_rank=limit))
     _stats.builds += 1
     logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
                 "%d ranks)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
@@ -119,15 +117,15 @@ def get_buffer(backend_cls: type[DispatchBackend], group: dist.ProcessGroup, spe
     return buffer
 
 
-def _meet_to_build(backend_name: str, group: dist.ProcessGroup, spec: BufferSpec, num_tokens: int,
+def _meet_to_build(backend_name: str, state: GroupState, spec: BufferSpec, num_tokens: int,
                    current: Optional[DispatchBackend]) -> None:
-    """Meets the other ranks of ``group`` at the store before a build (``current`` None) or a growth of ``current``:
+    """Meets the other ranks of the group at the store before a build (``current`` None) or a growth of ``current``:
     a rank that exceeds the limit alone then fails with its reason instead of waiting in an all-reduce the others
     never join.
 
     Args:
         backend_name: The backend's registry name, for the messages.
-        group: The expert-parallel group.
+        state: The state of the expert-parallel group.
         spec: What the build is for.
         num_tokens: Tokens this call dispatches.
         current: The buffer a growth replaces, or None for a first build.
@@ -150,7 +148,7 @@ def _meet_to_build(backend_name: str, group: dist.ProcessGroup, spec: BufferSpec
                "MEGATRON_DEEPEPV2_VALIDATE=1 (the ranks then grow in lock-step)")
     what, fix_sentence = "build" if current is None else "grow", f" The {fix}." if fix else ""
     try:
-        arrived = rendezvous(group, begin_build(group, f"{reason} ({fix})" if fix else reason), growth_timeout_s)
+        arrived = rendezvous(state, begin_build(state, f"{reason} ({fix})" if fix else reason), growth_timeout_s)
     except PeerFailure as failure:
         if failure.causes:  # a peer failed first: that is the cause
             raise
@@ -158,12 +156,12 @@ def _meet_to_build(backend_name: str, group: dist.ProcessGroup, spec: BufferSpec
         problem = ValueError(f"This rank {reason}, but the other ranks of the expert-parallel group did not come to "
                              f"{what} it: {why_not}; they stopped waiting for this rank (rank(s) "
                              f"{sorted(failure.consequences)}).{fix_sentence}")
-        announce_failure(group, problem)
+        announce_failure(state, problem)
         raise problem from failure
     if not arrived:
         problem = ValueError(f"This rank {reason}, but the other ranks of the expert-parallel group did not come to "
                              f"{what} it within {growth_timeout_s:g} s: {why_not}.{fix_sentence}")
-        announce_failure(group, problem)
+        announce_failure(state, problem)
         raise problem
 
 
@@ -190,11 +188,11 @@ def _forget(buffer: DispatchBackend) -> None:
     buffer.handle_records = None
 
 
-def _release(group: dist.ProcessGroup, state: GroupState) -> int:
-    """Destroys the retired buffers of ``group`` that no rank's handle uses (collective: every rank calls it with the
-    same retired buffers). Returns how many it destroyed."""
+def _release(state: GroupState) -> int:
+    """Destroys the retired buffers of the group of ``state`` that no rank's handle uses (collective: every rank
+    calls it with the same retired buffers). Returns how many it destroyed."""
     retired = state.retired
-    in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], group)
+    in_use = all_reduce_max([int(_in_use(buffer)) for buffer in retired], state)
     state.retired = [buffer for buffer, used in zip(retired, in_use) if used]
     for buffer, used in zip(retired, in_use):
         if not used:
@@ -216,8 +214,8 @@ def release_retired_buffers() -> int:
     """
     released = 0
     # The same order on every rank, whatever order the groups retired buffers in.
-    for group in sorted((g for g in known_groups() if state_of(g).retired), key=dist.get_process_group_ranks):
-        released += _release(group, state_of(group))
+    for state in sorted((state_of(g) for g in known_groups() if state_of(g).retired), key=lambda s: s.ranks):
+        released += _release(state)
     return released
 
 

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_deepepv2.expert_kernels import tl, triton
 from megatron_deepepv2.failures import announce_failure
 
 if TYPE_CHECKING:
     from megatron_deepepv2.config import DeepepV2Settings
+    from megatron_deepepv2.groups import GroupState
 
 
 def routing_ids_problem(topk_idx: torch.Tensor, num_experts: int, settings: "DeepepV2Settings",
-                        group: dist.ProcessGroup) -> Optional[Exception]:
+                        state: "GroupState") -> Optional[Exception]:
     """The id check of one dispatch, in the form ``settings`` allow: with ``validate`` read on the host; else with
     ``check_ids``: without host sync asserted on the device (nothing read), with host sync on a CUDA tensor through a
     4-byte flag, on a host tensor directly.
@@ -33,7 +33,7 @@ def routing_ids_problem(topk_idx: torch.Tensor, num_experts: int, settings: "Dee
         topk_idx: ``[T, K]`` int64 global expert ids, checked static properties.
         num_experts: Global number of experts.
         settings: The dispatch's settings.
-        group: The dispatch's group (a device assert's error is announced to it off CUDA).
+        state: The state of the dispatch's group (a device assert's error is announced to it off CUDA).
 
     Returns:
         A ``ValueError`` naming the first bad token, or None (also when the check is off, or asserted on the device).
@@ -43,7 +43,7 @@ def routing_ids_problem(topk_idx: torch.Tensor, num_experts: int, settings: "Dee
     if not settings.check_ids:
         return None
     if not settings.host_sync:  # nothing may read the device: a device-side assert
-        assert_expert_ids_on_device(topk_idx, num_experts, group)
+        assert_expert_ids_on_device(topk_idx, num_experts, state)
         return None
     if topk_idx.is_cuda:  # the dispatch waits on the host anyway: one 4-byte read, a ValueError naming the token
         return expert_ids_flag_problem(topk_idx, num_experts)
@@ -165,13 +165,13 @@ def expert_ids_flag_problem(topk_idx: torch.Tensor, num_experts: int) -> Optiona
 
 
 def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
-                                group: Optional[dist.ProcessGroup] = None) -> None:
+                                state: Optional["GroupState"] = None) -> None:
     """The id check without a host read. On CUDA, :func:`clear_flag_on_bad_ids` and ``torch._assert_async`` on its
     flag: nothing allocated or awaited (capturable in a CUDA graph); a bad id stops the process, the message saying to
     rerun with ``MEGATRON_DEEPEPV2_VALIDATE=1`` to name the token.
 
     Raises:
-        RuntimeError: Off CUDA, for a bad id (first announced to the peers of ``group`` when given).
+        RuntimeError: Off CUDA, for a bad id (first announced to the peers of the group of ``state`` when given).
     """
     num_tokens, num_topk = topk_idx.shape
     if num_tokens == 0:
@@ -180,8 +180,8 @@ def assert_expert_ids_on_device(topk_idx: torch.Tensor, num_experts: int,
         try:
             torch._assert_async(~_any_bad_id(topk_idx, num_experts), _BAD_IDS_MESSAGE)
         except RuntimeError as error:
-            if group is not None:
-                announce_failure(group, error)
+            if state is not None:
+                announce_failure(state, error)
             raise
         return
     ok = _flag_on(_ok_flags, topk_idx.device)

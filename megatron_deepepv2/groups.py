@@ -1,25 +1,24 @@
-"""What this process keeps per ``torch.distributed`` process group, and what the ranks of a group agree on.
-
-:class:`AgreedField` is one value every rank of a group must share; tables of them say what a buffer build
-(:data:`~megatron_deepepv2.backends.base.BUILD_AGREEMENT`) and a validated dispatch
-(:data:`~megatron_deepepv2.validation.DISPATCH_AGREEMENT`) agree on, and
-:func:`~megatron_deepepv2.failures.raise_on_every_rank` runs the agreement.
+"""What this process keeps per ``torch.distributed`` process group: its :class:`GroupState`, one per group.
 
 A group's state is made on first use by :func:`state_of` and holds every per-group fact and record of the package:
-its size (asked once: the call costs tens of microseconds), the call and build counters that scope failure
-announcements (:mod:`megatron_deepepv2.failures`), its buffers in use and retired (:mod:`megatron_deepepv2.buffers`),
-the dispatchers bound on it and the inputs whose checks passed (:mod:`megatron_deepepv2.ops`) and the node identity of
-its ranks (:mod:`megatron_deepepv2.backends.deepep.topology`). Nothing else in the package keeps a dictionary keyed by
-process group.
+its size, rank and ranks (asked once: each call costs tens of microseconds), whether its collectives poll the store,
+the call and build counters that scope failure announcements and the group's
+:class:`~megatron_deepepv2.failures.GroupCall` (:mod:`megatron_deepepv2.failures`), its buffers in use and retired
+(:mod:`megatron_deepepv2.buffers`), the dispatchers bound on it and the inputs whose checks passed
+(:mod:`megatron_deepepv2.ops`) and the node identity of its ranks (:mod:`megatron_deepepv2.backends.deepep.topology`).
+Nothing else in the package keeps a dictionary keyed by process group; the functions that need a group's state take
+the state itself, not the group, so that it is looked up once per call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_deepepv2.failures import GroupCall
 
 
 @dataclass(eq=False)
@@ -27,56 +26,41 @@ class GroupState:
     """This process's state of one process group.
 
     Attributes:
+        group: The process group.
         size: ``dist.get_world_size(group)``.
+        rank: This process's rank in the group, ``dist.get_rank(group)``.
+        ranks: The global rank of each group rank, ``dist.get_process_group_ranks(group)``.
+        polled: Whether its collectives wait by polling the store (CPU groups: their tensors live on the CPU).
         calls: Dispatch and combine calls (forward or backward) started on the group; the ranks make the same calls in
             the same order, so the count names a call alike on every rank (failure announcements carry it).
         builds: Collective buffer builds started on the group, the same count on every rank while they build together.
-        polled: Whether its collectives wait by polling the store (CPU groups); None until first asked.
         buffers: The buffer in use per (backend name, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`).
         retired: Buffers superseded by a rebuild, in retirement order, kept while a dispatch handle uses them.
         dispatchers: The :class:`~megatron_deepepv2.ops.Dispatcher` bound per (configuration, number of experts).
         checked_inputs: The one memo of inputs whose static checks passed on the group, by (configuration,
             signature): a dispatch's maps to the buffer spec it leases with, a combine's to True.
         node_ids: The node identity of each group rank, in group-rank order; None until gathered.
-        call: The group's :class:`~megatron_deepepv2.failures.GroupCall`, made on first use.
+        call: The group's :class:`~megatron_deepepv2.failures.GroupCall`, the context of every call on it: the one
+            way to it.
     """
 
+    group: dist.ProcessGroup
     size: int
+    rank: int
+    ranks: tuple[int, ...]
+    polled: bool
     calls: int = 0
     builds: int = 0
-    polled: Optional[bool] = None
     buffers: dict[tuple, Any] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)
     dispatchers: dict[tuple, Any] = field(default_factory=dict)
     checked_inputs: dict[tuple, Any] = field(default_factory=dict)
     node_ids: Optional[tuple[str, ...]] = None
-    call: Any = None
+    call: GroupCall = field(init=False)
+    tag: str = field(init=False)  #: the group's name in the rendezvous store's keys: its ranks
 
-
-@dataclass(frozen=True)
-class AgreedField:
-    """One value every rank of a group must share, read off a subject (a :class:`BufferSpec`, or a dispatch's
-    inputs), sent as an integer in the agreement and described in words in its error.
-
-    Attributes:
-        name: The value's name in messages (``"hidden size"``).
-        read: The value of a subject: an int, a bool or None.
-        words: An agreed integer in words (default: the number).
-    """
-
-    name: str
-    read: Callable[[Any], Any]
-    words: Callable[[int], str] = str
-
-    def encode(self, subject: Any) -> int:
-        """The integer the ranks agree on for ``subject``'s value: None is -1, a bool 0 or 1."""
-        value = self.read(subject)
-        return -1 if value is None else int(value)
-
-
-def yes_no(value: int) -> str:
-    """An agreed optional bool in words: ``auto`` (None), ``yes`` or ``no``."""
-    return "auto" if value < 0 else "yes" if value else "no"
+    def __post_init__(self) -> None:
+        self.call, self.tag = GroupCall(self), ",".join(map(str, self.ranks))
 
 
 #: The state of each process group this process has used.
@@ -91,18 +75,15 @@ def state_of(group: dist.ProcessGroup) -> GroupState:
     """
     state = _states.get(group)
     if state is None:
-        state = _states[group] = GroupState(size=dist.get_world_size(group))
+        state = _states[group] = GroupState(group, dist.get_world_size(group), dist.get_rank(group),
+                                            tuple(dist.get_process_group_ranks(group)),
+                                            collective_device(group).type == "cpu")
     return state
 
 
 def known_groups() -> list[dist.ProcessGroup]:
     """Returns the process groups that have a state, in the order they were first used."""
     return list(_states)
-
-
-def group_size(group: dist.ProcessGroup) -> int:
-    """Returns the number of ranks of ``group`` (asked of ``torch.distributed`` once per group)."""
-    return state_of(group).size
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2 import buffers, expert_ids, expert_kernels, fp8, validation
+from megatron_deepepv2.agreement import DISPATCH_AGREEMENT, DispatchFacts, raise_on_every_rank
 from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, DispatchConfig, DispatchHandle,
                                              DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import resolve_backend
 from megatron_deepepv2.config import DeepepV2Settings, get_settings
-from megatron_deepepv2.failures import group_call, raise_on_every_rank
 from megatron_deepepv2.groups import state_of
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, rows_past_valid, split_hidden
 
@@ -109,7 +109,7 @@ def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optiona
 
 class Dispatcher:
     """The dispatches of ``config`` on the expert-parallel ``group`` for ``num_experts`` global experts (see
-    :func:`bind`): the last input signature whose checks passed and the buffer spec it leases with.
+    :func:`bind`): the group's state, the last input signature whose checks passed and the buffer spec it leases with.
 
     The inputs whose static checks passed are remembered in the group's ``checked_inputs`` (one memo for dispatch and
     combine), by signature: a repeated signature is not checked again unless ``validate`` or the token limit asks.
@@ -121,13 +121,13 @@ class Dispatcher:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
     """
 
-    __slots__ = ("config", "group", "num_experts", "call", "_checked", "_signature", "_spec")
+    __slots__ = ("config", "state", "num_experts", "_checked", "_signature", "_spec")
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
-        self.call = group_call(group)  # the context of every call: counted, failures attributed
-        validation.check_binding(num_experts, self.call.state.size)
-        self.config, self.group, self.num_experts = config, group, num_experts
-        self._checked = self.call.state.checked_inputs
+        self.state = state_of(group)  # its call is the context of every call: counted, failures attributed
+        validation.check_binding(num_experts, self.state.size)
+        self.config, self.num_experts = config, num_experts
+        self._checked = self.state.checked_inputs
         self._signature: Any = None
         self._spec: Optional[BufferSpec] = None
 
@@ -164,7 +164,7 @@ class Dispatcher:
             if settings.host_sync and topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise validation.host_sync_capture_error()
             if settings.check_ids or settings.validate:
-                problem = expert_ids.routing_ids_problem(topk_idx, self.num_experts, settings, self.group)
+                problem = expert_ids.routing_ids_problem(topk_idx, self.num_experts, settings, self.state)
         if problem is not None or settings.validate:
             num_tokens = self._raise_or_agree(problem, x, topk_idx, num_tokens)
         if spec is None:
@@ -173,12 +173,12 @@ class Dispatcher:
                 data.shape[1], topk_idx.shape[1], 0, settings, scales is not None or settings.fp8_dispatch,
                 self.config.backend)
         self._signature, self._spec = signature, spec
-        return buffers.get_buffer(self.config.backend, self.group, spec, num_tokens, self.call.state)
+        return buffers.get_buffer(self.config.backend, self.state, spec, num_tokens)
 
     def _raise_or_agree(self, problem: Optional[Exception], x: HiddenStates, topk_idx: torch.Tensor,
                         num_tokens: int) -> int:
         """Raises ``problem`` (announced to the peers); with ``validate``, agrees over the group first on errors, the
-        largest token count and :data:`~megatron_deepepv2.validation.DISPATCH_AGREEMENT`.
+        largest token count and :data:`~megatron_deepepv2.agreement.DISPATCH_AGREEMENT`.
 
         Args:
             problem: This rank's problem with its inputs, or None.
@@ -194,16 +194,16 @@ class Dispatcher:
         settings = self.config.settings
         if not settings.validate:
             if problem is not None:
-                raise_on_every_rank(problem, self.group, agree=False)
+                raise_on_every_rank(problem, self.state, agree=False)
             return num_tokens
         values = ()
         if problem is None:  # a rank with a problem sends zeros
             data, scales = split_hidden(x)
-            facts = (data.dtype, data.shape[1], topk_idx.shape[1], scales is not None or settings.fp8_dispatch,
-                     settings.num_sms)
-            values = [agreed.encode(facts) for agreed in validation.DISPATCH_AGREEMENT]
-        return raise_on_every_rank(problem, self.group, agree=True, num_tokens=num_tokens,
-                                   fields=validation.DISPATCH_AGREEMENT, values=values)
+            facts = DispatchFacts(dtype=data.dtype, hidden=data.shape[1], num_topk=topk_idx.shape[1],
+                                  fp8=scales is not None or settings.fp8_dispatch, num_sms=settings.num_sms)
+            values = [agreed.encode(facts) for agreed in DISPATCH_AGREEMENT]
+        return raise_on_every_rank(problem, self.state, agree=True, num_tokens=num_tokens, fields=DISPATCH_AGREEMENT,
+                                   values=values)
 
 
 def _masked_routing(handle: DispatchHandle, recv_idx: Optional[torch.Tensor],
@@ -238,7 +238,8 @@ class DispatchFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor],  # type: ignore[override]
                 dispatcher: Dispatcher, topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
         config = dispatcher.config
-        with dispatcher.call:
+        call = dispatcher.state.call
+        with call:
             buffer = dispatcher.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
             data = fp8.quantize_e4m3_1x128(x) if config.settings.fp8_dispatch else x if scales is None else (x, scales)
             recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, config,
@@ -254,7 +255,7 @@ class DispatchFunction(torch.autograd.Function):
             if config.clear_tail or config.mask_foreign_weights:
                 recv_idx, recv_weights = _masked_routing(handle, recv_idx, recv_weights)
         ctx.set_materialize_grads(False)  # unused outputs give None, not zeros of an FP8 dtype
-        ctx.handle, ctx.streams, ctx.hidden, ctx.call = handle, streams, x.shape[1], dispatcher.call
+        ctx.handle, ctx.streams, ctx.hidden, ctx.call = handle, streams, x.shape[1], call
         return recv_x, recv_weights, recv_scales, recv_idx, handle
 
     @staticmethod
@@ -287,15 +288,15 @@ class CombineFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, handle: DispatchHandle, streams: Streams):  # type: ignore[override]
         if type(handle) is not DispatchHandle:
             raise validation.not_a_handle_error(handle)
-        group, validate = handle.buffer.group, handle.config.settings.validate
-        call = ctx.call = handle.buffer.call or group_call(group)  # a buffer built by the registry carries it
+        state, validate = handle.buffer.state, handle.config.settings.validate
+        call = ctx.call = state.call
         with call:
-            checked = call.state.checked_inputs
+            checked = state.checked_inputs
             key = (handle.config, x.shape[1], x.dtype, x.device) if type(x) is torch.Tensor and x.dim() == 2 else None
             if key is None or key not in checked or x.shape[0] != handle.num_recv_rows or validate:
                 problem = validation.combine_inputs_problem(x, handle, None)
                 if problem is not None or validate:
-                    raise_on_every_rank(problem, group, agree=validate)
+                    raise_on_every_rank(problem, state, agree=validate)
                 if key is not None:
                     checked[key] = True
             ctx.handle, ctx.streams = handle, streams
@@ -387,8 +388,9 @@ def dispatch(
         # Raised in the call the peers are making, so that they stop too instead of waiting for this rank.
         validate = settings.get("validate") if config is None else config.settings.validate
         validate = get_settings().validate if validate is None else validate
-        with group_call(group):
-            raise_on_every_rank(problem, group, agree=bool(validate), fields=validation.DISPATCH_AGREEMENT)
+        state = state_of(group)
+        with state.call:
+            raise_on_every_rank(problem, state, agree=bool(validate), fields=DISPATCH_AGREEMENT)
     recv_x, recv_weights, recv_scales, recv_idx, handle = DispatchFunction.apply(
         *_as_function_inputs(x, topk_idx, topk_weights, dispatcher), _streams(async_finish, allocate_on_comm_stream))
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from megatron_deepepv2.groups import AgreedField
 from megatron_deepepv2.fp8 import BLOCK as FP8_BLOCK
 from megatron_deepepv2.layout import ExpertLayout, split_hidden
 
@@ -197,24 +196,3 @@ def combine_inputs_problem(x: torch.Tensor, handle: "DispatchHandle",
                           f"{tuple(topk_weights.shape)}.")
     return None
 
-
-#: dtypes by a small code, for the agreement of the ranks (0: any other dtype).
-_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _dtype_words(code: int) -> str:
-    """The dtype an agreed code (:data:`DISPATCH_AGREEMENT`) stands for, for a message."""
-    return str(_DTYPE_CODES[code - 1]).removeprefix("torch.") if 0 < code <= len(_DTYPE_CODES) else "another"
-
-
-#: What the ranks of a group agree on at every dispatch with ``validate``, read off a tuple ``(dtype, hidden size,
-#: top-k, FP8, SM count)`` of one rank's dispatch: what fixes the layout of the exchange (a buffer build agrees on its
-#: own table, :data:`~megatron_deepepv2.backends.base.BUILD_AGREEMENT`).
-DISPATCH_AGREEMENT: tuple[AgreedField, ...] = (
-    AgreedField("dtype", lambda facts: _DTYPE_CODES.index(facts[0]) + 1 if facts[0] in _DTYPE_CODES else 0,
-                _dtype_words),
-    AgreedField("hidden size", lambda facts: facts[1]),
-    AgreedField("top-k", lambda facts: facts[2]),
-    AgreedField("FP8", lambda facts: facts[3], lambda value: "yes" if value else "no"),
-    AgreedField("SM count", lambda facts: facts[4]),
-)

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_deepepv2.config import DeepepV2Settings, check_fields
-from megatron_deepepv2.groups import AgreedField, yes_no
+from megatron_deepepv2.agreement import AgreedField, yes_no
+from megatron_deepepv2.groups import state_of
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 
@@ -247,7 +248,8 @@ class DispatchBackend(ABC):
     Attributes:
         handle_records: The dispatch handles made on this buffer, as :mod:`megatron_deepepv2.buffers` records them
             (a retired buffer is kept while one is alive); None until the first.
-        call: The group's :class:`~megatron_deepepv2.failures.GroupCall`, set by the buffer registry.
+        state: The group's :class:`~megatron_deepepv2.groups.GroupState` (its ``call`` is the context of every call
+            on the buffer's handles).
     """
 
     name: ClassVar[str]  #: registry name
@@ -260,10 +262,9 @@ class DispatchBackend(ABC):
     def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
         self.group = group
         self.spec = spec
-        self.group_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.state = state_of(group)
+        self.group_size, self.rank = self.state.size, self.state.rank
         self.handle_records: Any = None
-        self.call: Any = None
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:

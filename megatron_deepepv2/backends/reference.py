@@ -8,7 +8,7 @@ How it works: every dispatch computes a *routing plan* with vectorised index ope
 loop over tokens or experts) and moves all row data -- hidden states, FP8 scales, expert ids, weights and
 source indices, packed side by side as bytes -- in **one** ``all_to_all_single``. Combine moves the rows
 back in one ``all_to_all_single`` and reduces them. Every collective goes through
-:func:`~megatron_deepepv2.failures.run_collective`: over gloo a rank waiting in one raises within milliseconds, naming
+:func:`~megatron_deepepv2.agreement.run_collective`: over gloo a rank waiting in one raises within milliseconds, naming
 the peer, when that peer announces a failure instead of joining. Two transports:
 
 * with host sync (the default) the ranks first exchange row counts, read them on the host and send
@@ -39,10 +39,11 @@ from typing import ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.failures import all_reduce_max, run_collective
+from megatron_deepepv2.agreement import all_reduce_max, run_collective
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import register_backend
+from megatron_deepepv2.groups import GroupState
 from megatron_deepepv2.layout import (ExpertLayout, HiddenStates, align_up, rows_past_valid, split_hidden,
                                       worst_case_recv_rows)
 
@@ -65,20 +66,20 @@ class _Transport:
     def blocked(self) -> bool:
         return self.send_rows is not None
 
-    def send_blocks(self, packed: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def send_blocks(self, packed: torch.Tensor, state: GroupState) -> torch.Tensor:
         """Blocked transport: places packed rows in the per-destination blocks and exchanges them.
 
         Rows of unused (token, destination) pairs carry the position one past the blocks and are dropped.
         """
         block = packed.new_zeros((sum(self.send_splits) + 1, packed.shape[1]))
         block[self.send_rows] = packed
-        return _all_to_all(block[:-1], self.send_splits, self.recv_splits, group)
+        return _all_to_all(block[:-1], self.send_splits, self.recv_splits, state)
 
-    def send(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    def send(self, tensors: Sequence[torch.Tensor], state: GroupState) -> list[torch.Tensor]:
         """Dispatch direction: rows in send order -> rows in receive (output) order."""
         if not self.blocked:
-            return _exchange_rows(tensors, self.send_splits, self.recv_splits, group)
-        return _unpack(self.to_output_order(self.send_blocks(_pack(tensors), group)), tensors)
+            return _exchange_rows(tensors, self.send_splits, self.recv_splits, state)
+        return _unpack(self.to_output_order(self.send_blocks(_pack(tensors), state)), tensors)
 
     def to_output_order(self, received: torch.Tensor) -> torch.Tensor:
         """Blocked transport: received block rows -> output rows (used rows first)."""
@@ -86,12 +87,12 @@ class _Transport:
         ordered[self.recv_positions] = received
         return ordered
 
-    def send_back(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    def send_back(self, tensors: Sequence[torch.Tensor], state: GroupState) -> list[torch.Tensor]:
         """Combine direction: rows in receive order -> rows in send-buffer row space of the source."""
         if not self.blocked:
-            return _exchange_rows(tensors, self.recv_splits, self.send_splits, group)
+            return _exchange_rows(tensors, self.recv_splits, self.send_splits, state)
         packed = _pack(tensors)[self.recv_positions]
-        returned = _all_to_all(packed, self.recv_splits, self.send_splits, group)
+        returned = _all_to_all(packed, self.recv_splits, self.send_splits, state)
         return _unpack(returned, tensors)
 
 
@@ -148,9 +149,9 @@ def _unpack(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return outputs
 
 
-def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], state) -> torch.Tensor:
     received = rows.new_empty((sum(recv_splits), rows.shape[1]))
-    run_collective(dist.all_to_all_single, received, rows, recv_splits, send_splits, group=group, exchange=True)
+    run_collective(dist.all_to_all_single, received, rows, recv_splits, send_splits, state=state, exchange=True)
     return received
 
 
@@ -158,20 +159,20 @@ def _exchange_rows(
     tensors: Sequence[torch.Tensor],
     send_splits: list[int],
     recv_splits: list[int],
-    group: dist.ProcessGroup,
+    state: GroupState,
 ) -> list[torch.Tensor]:
-    """Sends row blocks of several tensors to the ranks of ``group`` in one ``all_to_all_single``.
+    """Sends row blocks of several tensors to the ranks of the group of ``state`` in one ``all_to_all_single``.
 
     Args:
         tensors: Tensors with the same number of rows, ordered destination-rank-major.
         send_splits: Rows for each destination rank.
         recv_splits: Rows expected from each source rank.
-        group: Process group.
+        state: The state of the process group.
 
     Returns:
         The received tensors, same dtypes and trailing shapes, ``sum(recv_splits)`` rows each.
     """
-    return _unpack(_all_to_all(_pack(tensors), send_splits, recv_splits, group), tensors)
+    return _unpack(_all_to_all(_pack(tensors), send_splits, recv_splits, state), tensors)
 
 
 def _row_width_bytes(tensor: torch.Tensor) -> int:
@@ -229,7 +230,7 @@ class ReferenceBackend(DispatchBackend):
         super().__init__(group, spec)
         # Collective like every buffer construction: a rank that builds alone blocks here instead of
         # corrupting a later exchange. Also materialises a lazy NCCL communicator.
-        (agreed,) = all_reduce_max([spec.num_max_tokens_per_rank], group)
+        (agreed,) = all_reduce_max([spec.num_max_tokens_per_rank], self.state)
         if agreed != spec.num_max_tokens_per_rank:
             raise RuntimeError(
                 f"Ranks built buffers with different num_max_tokens_per_rank (this rank "
@@ -444,10 +445,10 @@ class ReferenceBackend(DispatchBackend):
             The transport, the received tensors and their row count as a 0-dim device tensor.
         """
         recv_counts = torch.empty_like(send_counts)
-        run_collective(dist.all_to_all_single, recv_counts, send_counts, group=self.group, exchange=True)
+        run_collective(dist.all_to_all_single, recv_counts, send_counts, state=self.state, exchange=True)
         send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()
         transport = _Transport(send_splits, recv_splits)
-        received = transport.send(payload, self.group)
+        received = transport.send(payload, self.state)
         return transport, received, torch.tensor(sum(recv_splits), dtype=torch.int64, device=send_counts.device)
 
     def _send_blocked(
@@ -466,7 +467,7 @@ class ReferenceBackend(DispatchBackend):
         splits = [self.spec.num_max_tokens_per_rank] * self.group_size
         transport = _Transport(splits, list(splits), send_rows=returned_row)
         flag = torch.ones((payload[0].shape[0], 1), dtype=torch.uint8, device=payload[0].device)
-        received = transport.send_blocks(_pack([flag, *payload]), self.group)
+        received = transport.send_blocks(_pack([flag, *payload]), self.state)
 
         used = received[:, 0].bool()
         num_used = used.sum()
@@ -485,7 +486,7 @@ class ReferenceBackend(DispatchBackend):
         payload = [_take_rows(t, token) for t in data]
         if topk_weights is not None:
             payload.append(topk_weights[token])
-        received = plan.transport.send(payload, self.group)
+        received = plan.transport.send(payload, self.state)
         recv_x, rest = self._unpack_recv(received, is_fp8)
         recv_weights = rest[0] if topk_weights is not None else None
         if handle.config.layout is ExpertLayout.EXPAND:
@@ -512,7 +513,7 @@ class ReferenceBackend(DispatchBackend):
                 topk_weights = _append_zero_row(topk_weights.unsqueeze(1)).squeeze(1)[plan.expand_rows]
 
         payload = [x] if topk_weights is None else [x, topk_weights]
-        returned = plan.transport.send_back(payload, self.group)
+        returned = plan.transport.send_back(payload, self.state)
         rows = _append_zero_row(returned[0])
         combined = torch.zeros((handle.num_tokens, x.shape[1]), dtype=acc_dtype, device=x.device)
         for slot in range(handle.num_topk):

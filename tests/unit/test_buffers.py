@@ -243,7 +243,7 @@ def test_what_the_ranks_agree_on_is_the_contracts_then_the_backends_own() -> Non
     from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
-    from megatron_deepepv2.groups import AgreedField
+    from megatron_deepepv2.agreement import AgreedField
 
     assert [agreed.name for agreed in BUILD_AGREEMENT] == ["hidden size", "top-k", "FP8"]
     assert DispatchBackend.extra_agreement == () and ReferenceBackend.extra_agreement == ()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2 import failures
+from megatron_deepepv2 import agreement, failures
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.groups import state_of
 from tests.distributed import run_distributed
@@ -79,7 +79,8 @@ def _time_out(group) -> None:
 
     dist.distributed_c10d._get_default_store().add(_IN_BACKEND, 1)
     deadline = time.monotonic() + 20
-    while not (failures.announced_failures(group) or failures.pending_builds(group)) and time.monotonic() < deadline:
+    state = state_of(group)
+    while not (failures.announced_failures(state) or failures.pending_builds(state)) and time.monotonic() < deadline:
         time.sleep(0.005)
     raise RuntimeError("DeepEP timeout (stand-in): the dispatch's CPU wait timed out")
 
@@ -218,21 +219,21 @@ def _linger_then_grow(rank: int, world: int, in_agreement: bool) -> tuple[int, b
     with pytest.MonkeyPatch.context() as patch:
         if rank == 1:
             works: list = []
-            waited = failures._waited
+            waited = agreement._waited
 
             def linger(work, timeout_s: float) -> bool:
                 if not works or works[-1] is not work:
                     works.append(work)
                 if len(works) == lingering_in and not saw_the_build:
                     deadline = time.monotonic() + 20
-                    build = failures._rendezvous_key(group, f"build-{state_of(group).builds + 1}")
+                    build = failures.rendezvous_key(state_of(group), f"build-{state_of(group).builds + 1}")
                     while not store.check([build]) and time.monotonic() < deadline:
                         time.sleep(0.005)
                     saw_the_build.append(store.check([build]))
                     return False  # one more look at the store, with rank 0 at the build
                 return waited(work, timeout_s)
 
-            patch.setattr(failures, "_waited", linger)
+            patch.setattr(agreement, "_waited", linger)
         if not in_agreement:
             dv2.dispatch(*_inputs(rank)[:2], None, E, config=config)
         grown = dv2.dispatch(*_inputs(rank, 20), E, config=config)  # every rank exceeds: they grow together

@@ -122,6 +122,7 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     from megatron_deepepv2.backends.base import BufferSpec
     from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
     from megatron_deepepv2.backends.deepep import adapter
+    from megatron_deepepv2 import groups
     from megatron_deepepv2.config import DeepepV2Settings
 
     built = []
@@ -137,6 +138,9 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     monkeypatch.setattr(adapter, "ensure_nccl_communicator", lambda group: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: list(range(8)))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(groups, "_states", {})  # the stand-in group's state is dropped with it
     settings = DeepepV2Settings(fp8_dispatch=True, allow_hybrid_mode=False)
     DeepEPBackend(object(), BufferSpec(hidden=7168, num_topk=8, num_max_tokens_per_rank=4096, settings=settings,
                                        fp8=True))

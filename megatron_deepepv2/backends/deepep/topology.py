@@ -40,7 +40,8 @@ from typing import Callable, Mapping, MutableMapping, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_deepepv2.groups import AgreedField, known_groups, state_of, yes_no
+from megatron_deepepv2.agreement import AgreedField, yes_no
+from megatron_deepepv2.groups import known_groups, state_of
 
 #: Environment variable naming this process's NVLink domain, for clusters where hostnames do not (several hosts of one
 #: multi-node NVLink domain, or one host seen under several names). Read directly, not as a setting of
