@@ -220,14 +220,23 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+#: Set by ``rounds`` to the wall-clock time (``time.time()``) it launched the run at: the record's ``since_start`` then
+#: counts from the launch (torchrun, interpreter start and imports included), else from the recorder's start.
+LAUNCHED_AT_VARIABLE = "TRAIN_GPT_LAUNCHED_AT"
+#: The compilation caches ``rounds --fresh-caches`` points at empty folders for each run: DeepEP's JIT, Triton's and
+#: TorchInductor's (a fresh machine has none of them).
+CACHE_VARIABLES = ("EP_JIT_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
 class StepRecorder:
     """Wraps ``megatron.training.training.training_log``: each call appends one step to a JSON-lines file.
 
     The first line is the run's header: its label and round, batch, the expert modules of the built model, the device,
     the versions of torch, Transformer Engine, DeepEP, NCCL and megatron-core, the whole command line and the
     environment. Each step records its losses (exactly, as hex), the seconds since the previous step, the seconds
-    since the recorder started (``since_start``: the first step's is the time to the first step, imports, DeepEP's
-    JIT compilation and graph captures included) and how many CUDA graphs the process has captured so far.
+    since the run started (``since_start``: from its launch by ``rounds``, else from the recorder's start; the first
+    step's is the time to the first step, imports, DeepEP's JIT compilation and graph captures included) and how
+    many CUDA graphs the process has captured so far.
 
     Args:
         path: The JSON-lines file (rewritten at the start).
@@ -246,7 +255,10 @@ class StepRecorder:
         self.exit_after_last_step = exit_after_last_step
         self._profile_window = list(profile) if profile else None
         self._last: Optional[float] = None
-        self._started = time.perf_counter()
+        launched_at = os.environ.get(LAUNCHED_AT_VARIABLE)
+        #: Where ``since_start`` counts from: ``launch`` (``rounds`` launched the run) or ``recorder``.
+        self.started_from = "launch" if launched_at else "recorder"
+        self._started = time.perf_counter() - (time.time() - float(launched_at) if launched_at else 0.0)
         self._file = None
         self._profile, self._profile_out = profile, profile_out
         self._profiler: Any = None
@@ -277,7 +289,7 @@ class StepRecorder:
                 "experts": ("+".join(self.built_experts) if self.built_experts
                             else expert_module(environment, sys.argv[1:])),
                 "experts_from": "built model" if self.built_experts else "environment",
-                "device": _device_name(), "versions": software_versions(),
+                "device": _device_name(), "versions": software_versions(), "started_from": self.started_from,
                 "profile": self._profile_window,
                 "argv": sys.argv[1:], "environment": environment, "provenance": provenance()}
 
@@ -623,8 +635,9 @@ def throughput_bars(configurations: list[dict]) -> tuple[list[float], list[float
     slowest run's tokens/s lies below and the fastest run's above, never below zero (with one run the two sides
     differ only by rounding)."""
     tokens = [g["tokens_per_s"] / 1e3 for g in configurations]
-    lows = [max(0.0, t - t * g["median_step_ms"] / max(g["median_step_ms_each"])) for t, g in zip(tokens, configurations)]
-    highs = [max(0.0, t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t) for t, g in zip(tokens, configurations)]
+    pairs = list(zip(tokens, configurations))
+    lows = [max(0.0, t - t * g["median_step_ms"] / max(g["median_step_ms_each"])) for t, g in pairs]
+    highs = [max(0.0, t * g["median_step_ms"] / min(g["median_step_ms_each"]) - t) for t, g in pairs]
     return tokens, lows, highs
 
 
@@ -757,9 +770,25 @@ def launch_command(launch: Launch, megatron_lm: str, steps: int, extra: Sequence
     return command, " ".join([*runner, "--"])
 
 
+def launch_environment(launch: Launch, model: str, runner: str, out: str,
+                       fresh_caches: bool = False) -> dict[str, str]:
+    """The environment of ``launch``: this process's, the variant's settings, ``MODEL``, ``RUNNER`` and the launch
+    time (:data:`LAUNCHED_AT_VARIABLE`); with ``fresh_caches``, each of :data:`CACHE_VARIABLES` names a new empty
+    folder under ``out/caches/`` for this launch alone."""
+    env = {**os.environ, **launch.variant.env, "MODEL": model, "RUNNER": runner,
+           LAUNCHED_AT_VARIABLE: repr(time.time())}
+    if fresh_caches:
+        folder = os.path.join(os.path.abspath(out), "caches", f"{launch.variant.name}-r{launch.round_number}")
+        for variable in CACHE_VARIABLES:
+            env[variable] = os.path.join(folder, variable.lower())
+            os.makedirs(env[variable])
+    return env
+
+
 def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
                extra: Sequence[str] = (), profile_last: Sequence[str] = (), deadline_s: Optional[float] = None,
-               run_timeout_s: float = 600.0, alltoall_graph_modules: Optional[Sequence[str]] = None) -> list[dict]:
+               run_timeout_s: float = 600.0, alltoall_graph_modules: Optional[Sequence[str]] = None,
+               fresh_caches: bool = False) -> list[dict]:
     """Runs :func:`schedule`'s launches one after another (one GPU: the example at EP=1), each recorded by ``record``.
 
     A launch that fails is logged with the end of its output and the rounds go on; past ``deadline_s`` no launch
@@ -778,6 +807,7 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
         run_timeout_s: A launch still running after this long is stopped and counts as failed.
         alltoall_graph_modules: The capture scope of ``alltoall-syncfree-graphs`` (:func:`alltoall_graphs`), or None
             for :data:`ALLTOALL_GRAPH_MODULES`.
+        fresh_caches: Every launch compiles from empty caches (:func:`launch_environment`), as on a fresh machine.
 
     Returns:
         One entry per launch: variant, round, record path, exit status, seconds.
@@ -794,7 +824,7 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
             logger.warning("deadline: %d of %d launches not started", len(plan) - i + 1, len(plan))
             break
         command, runner = launch_command(launch, megatron_lm, steps, extra)
-        env = {**os.environ, **launch.variant.env, "MODEL": model, "RUNNER": runner}
+        env = launch_environment(launch, model, runner, out, fresh_caches)
         log = launch.out.removesuffix(".jsonl") + ".log"
         logger.info("[%d/%d] round %d %-40s (%.0f s so far)", i, len(plan), launch.round_number, launch.variant.name,
                     elapsed)
@@ -846,6 +876,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rnd.add_argument("--run-timeout", type=float, default=600.0, help="seconds after which a run is stopped")
     rnd.add_argument("--alltoall-graph-modules", nargs="+", default=None, metavar="MODULE",
                      help=f"capture scope of alltoall-syncfree-graphs (default: {' '.join(ALLTOALL_GRAPH_MODULES)})")
+    rnd.add_argument("--fresh-caches", action="store_true",
+                     help="each run compiles from empty DeepEP JIT, Triton and TorchInductor caches (a fresh machine)")
     rnd.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain_gpt.py arguments")
     rep = commands.add_parser("report", help="compare recorded runs: JSON + PNG")
     rep.add_argument("runs", nargs="+", help="JSON-lines files")
@@ -878,13 +910,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("rounds needs --rounds >= 1 and --steps >= 2")
         results = run_rounds(args.megatron_lm, args.model, args.variants, args.rounds, args.steps, args.out,
                              args.extra, args.profile_last, args.deadline, args.run_timeout,
-                             args.alltoall_graph_modules)
+                             args.alltoall_graph_modules, args.fresh_caches)
         return 0 if results and all(r["exit"] == 0 for r in results) else 1
     document = report(args.runs, args.baseline, args.equal, args.skip, args.target)
     for run in document["runs"]:
-        logger.info("%-30s %4d steps  loss %.4f -> %.4f  %8.1f ms/step  %9.0f tokens/s", run["run"], run["steps"],
-                    run["first_loss"] or float("nan"), run["last_loss"] or float("nan"),
-                    run["median_step_ms"] or float("nan"), run["tokens_per_s"] or float("nan"))
+        logger.info("%-30s %4d steps  loss %.4f -> %.4f  %8.1f ms/step  %9.0f tokens/s  first step at %s s, %s CUDA "
+                    "graphs", run["run"], run["steps"], run["first_loss"] or float("nan"),
+                    run["last_loss"] or float("nan"), run["median_step_ms"] or float("nan"),
+                    run["tokens_per_s"] or float("nan"),
+                    "?" if run["first_step_s"] is None else f"{run['first_step_s']:.1f}",
+                    "?" if run["cuda_graphs"] is None else run["cuda_graphs"])
     for label, group in document["configurations"].items():
         logger.info("%-30s %d run(s): median %.1f ms/step (each %s, spread %.1f%%)", label, len(group["runs"]),
                     group["median_step_ms"], ", ".join(f"{v:.1f}" for v in group["median_step_ms_each"]),

@@ -58,6 +58,35 @@ def test_recorder_keeps_each_step_exactly_and_passes_the_call_on(tmp_path: Path,
     assert set(header["versions"]) >= {"torch", "megatron-core", "deep_ep", "transformer_engine"}
 
 
+def test_since_start_counts_from_the_launch_when_rounds_launched_the_run(tmp_path: Path, monkeypatch) -> None:
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
+                        argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1), raising=False)
+    monkeypatch.setenv(train_gpt.LAUNCHED_AT_VARIABLE, repr(time.time() - 100.0))
+    path = tmp_path / "run.jsonl"
+    recorded = train_gpt.StepRecorder(str(path), "launched").wrap(lambda *args, **kwargs: None)
+    recorded({"lm loss": torch.tensor(1.0)}, {}, 1e-4, 1, 1.0, True, 0, 1.0, None)
+    header, step = (json.loads(line) for line in path.read_text().splitlines())
+    assert header["started_from"] == "launch" and 100.0 <= step["since_start"] < 160.0, (header, step)
+
+
+def test_each_launch_gets_its_settings_its_launch_time_and_with_fresh_caches_empty_ones(tmp_path: Path) -> None:
+    (first, second) = train_gpt.schedule(["deepepv2-nohostsync-graphs", "alltoall"], 1, str(tmp_path))
+    before = time.time()
+    env = train_gpt.launch_environment(first, "gpt-moe", "RUN", str(tmp_path))
+    assert env["MODEL"] == "gpt-moe" and env["RUNNER"] == "RUN" and env["MEGATRON_DEEPEPV2_NO_HOST_SYNC"] == "1"
+    assert before <= float(env[train_gpt.LAUNCHED_AT_VARIABLE]) <= time.time()
+    assert not set(train_gpt.CACHE_VARIABLES) & (set(env) - set(__import__("os").environ))
+    fresh = [train_gpt.launch_environment(launch, "gpt-moe", "RUN", str(tmp_path), fresh_caches=True)
+             for launch in (first, second)]
+    folders = [Path(env[variable]) for env in fresh for variable in train_gpt.CACHE_VARIABLES]
+    assert len(set(folders)) == 6 and all(folder.is_dir() and not any(folder.iterdir()) for folder in folders)
+    assert all(tmp_path / "caches" in folder.parents for folder in folders)
+    with pytest.raises(FileExistsError):  # a launch never reuses another's caches
+        train_gpt.launch_environment(first, "gpt-moe", "RUN", str(tmp_path), fresh_caches=True)
+
+
 def test_cuda_graph_captures_are_counted_once_per_capture(monkeypatch) -> None:
     """Every capture ends in ``CUDAGraph.capture_end``; installing the count twice still counts each capture once."""
     ended = []
