@@ -1379,6 +1379,8 @@ GPU_SUITE_FIGURES: list[Figure] = [
         *rounds_ratios(TE_ROUNDS, *TE_SAME), *median_min_max(rounds_ratios(TE_ROUNDS, *TE_SAME))),
     fig("training.md", "`SyncFreeSequentialMLP` ({:.1f}x faster than its `TEGroupedMLP` here)",
         ratio(te_configuration("alltoall-te-graphs"), te_configuration("alltoall-syncfree-te-graphs"))),
+    fig("usage.md", "alltoall step with `TEGroupedMLP` took {:.1f}x the step with `SyncFreeSequentialMLP`",
+        ratio(te_configuration("alltoall-te-graphs"), te_configuration("alltoall-syncfree-te-graphs"))),
     fig("training.md", "stays within {} of `alltoall-te-graphs` over the 20 steps (two `alltoall-te-graphs` runs differ "
                        "by up to {} themselves); whole-layer graphs end at {:.4f} against {:.4f}",
         calc(lambda *gaps: short_e(max(gaps)), *[J(TE_ROUNDS, "loss_gap", f"deepepv2-te-graphs#{i}", "max_abs")
