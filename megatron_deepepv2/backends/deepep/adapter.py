@@ -20,10 +20,30 @@ from megatron_deepepv2.backends.deepep.lines import (deepep_unavailable_reason, 
                                             log_buffer_built)
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
 from megatron_deepepv2.backends.deepep.receive_order import order_received
-from megatron_deepepv2.backends.deepep.sizing import buffer_size_arguments
 from megatron_deepepv2.backends.deepep.topology import HYBRID_MODE_FIELD, choose_hybrid_mode, set_gin_variable_for_group
 
 logger = logging.getLogger(__name__)
+
+
+def buffer_size_arguments(num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> dict[str, Any]:
+    """The sizing keyword arguments the DeepEP backend passes the buffer constructor: the one place a buffer's size
+    is decided.
+
+    ``use_fp8_dispatch`` is always False: a training step sends BF16 rows through every buffer (combine's backward
+    is a cached dispatch of the BF16 gradient), so an FP8-sized buffer fails that call once ``G * T_max`` rows of
+    BF16 outgrow the combine layout. A BF16-sized buffer fits every call (:func:`~.sizing.call_bytes`, the arithmetic
+    that checks this choice).
+
+    Args:
+        num_max_tokens_per_rank: Token limit ``T_max``.
+        hidden: Hidden size ``H``.
+        num_topk: Top-k ``K``.
+
+    Returns:
+        ``num_max_tokens_per_rank``, ``hidden``, ``num_topk`` and ``use_fp8_dispatch`` for the constructor.
+    """
+    return {"num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden, "num_topk": num_topk,
+            "use_fp8_dispatch": False}
 
 
 @register_backend

@@ -10,8 +10,9 @@ dispatch (its rows are never larger than BF16 ones: DeepEP asserts ``4 * ceil(H 
 This module reproduces the arithmetic (``csrc/elastic/buffer.hpp`` ``get_dispatch_buffer_size`` /
 ``get_combine_buffer_size`` / ``calculate_buffer_size``, ``layout.cuh`` ``TokenLayout`` / ``BufferLayout``) so that the
 sizing of every shape and group size can be checked without a GPU, and memory can be budgeted
-(:func:`layer_memory`). It imports no other module of the package but :mod:`~megatron_deepepv2.layout` and
-:mod:`~megatron_deepepv2.fp8` (the scale block).
+(:func:`layer_memory`). It imports :mod:`~megatron_deepepv2.layout`, :mod:`~megatron_deepepv2.fp8` (the scale block) and
+the backend's own decision, :func:`~megatron_deepepv2.backends.deepep.adapter.buffer_size_arguments`, which it checks;
+no dispatch imports it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_deepepv2 import fp8
+# The sizing arguments the backend passes: its own decision, made where it builds; checked against this arithmetic.
+from megatron_deepepv2.backends.deepep.adapter import buffer_size_arguments  # noqa: F401
 from megatron_deepepv2.layout import ExpertLayout, align_up, receive_bound_rows, worst_case_recv_rows
 
 #: DeepEP's symmetric-memory alignment of a buffer size (2 MiB).
@@ -158,25 +161,6 @@ def calculated_buffer_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk:
     needed = max(dispatch_bytes(num_max_tokens_per_rank, hidden, num_topk, elem_size, packs, topology),
                  combine_bytes(num_max_tokens_per_rank, hidden, num_topk, topology, allow_multiple_reduction))
     return align_up(needed, BUFFER_ALIGNMENT)
-
-
-def buffer_size_arguments(num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> dict[str, Any]:
-    """The sizing keyword arguments the DeepEP backend passes the buffer constructor.
-
-    ``use_fp8_dispatch`` is always False: a training step sends BF16 rows through every buffer (combine's backward
-    is a cached dispatch of the BF16 gradient), so an FP8-sized buffer fails that call once ``G * T_max`` rows of
-    BF16 outgrow the combine layout. A BF16-sized buffer fits every call (:func:`call_bytes`).
-
-    Args:
-        num_max_tokens_per_rank: Token limit ``T_max``.
-        hidden: Hidden size ``H``.
-        num_topk: Top-k ``K``.
-
-    Returns:
-        ``num_max_tokens_per_rank``, ``hidden``, ``num_topk`` and ``use_fp8_dispatch`` for the constructor.
-    """
-    return {"num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden, "num_topk": num_topk,
-            "use_fp8_dispatch": False}
 
 
 def call_bytes(num_max_tokens_per_rank: int, hidden: int, num_topk: int, use_fp8: bool, topology: Topology,
