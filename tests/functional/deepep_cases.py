@@ -345,7 +345,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
     sync (a buffer built ``deterministic=True``): the valid rows, weights, compact ids and the handle's metadata,
     combine with weights and cached dispatch, bitwise, for both layouts with and without alignment, on routings with
     empty experts and -1 selections; then the autograd ops' output and both gradients, host sync against none."""
-    from megatron_deepepv2.backends.deepep.sizing import buffer_size_arguments
+    from megatron_deepepv2.backends.deepep.adapter import buffer_size_arguments
 
     world, group = dist.get_world_size(), dist.group.WORLD
     hidden, experts, topk, t_max = 1024, 32, 8, 1024

@@ -14,10 +14,10 @@ import itertools
 
 import pytest
 
+from megatron_deepepv2.backends.deepep.adapter import buffer_size_arguments
 from megatron_deepepv2.backends.deepep.sizing import (
     BUFFER_ALIGNMENT,
     Topology,
-    buffer_size_arguments,
     calculated_buffer_bytes,
     call_bytes,
     dispatch_bytes,

@@ -4,15 +4,15 @@ DeepEP sizes an ``ElasticBuffer`` from the constructor's MoE shape (``calculate_
 its dispatch and combine layouts, rounded up to 2 MiB) and, on **every** call, asserts on the host that the layout of
 that call (its token limit, hidden size, scale packs, top-k and element size) fits the buffer. A buffer built for
 FP8 dispatch is sized for 1-byte rows, but combine's backward is a BF16 *cached* dispatch through the same buffer; so
-the backend sizes for BF16 whatever the dispatch dtype (:func:`buffer_size_arguments`), which also fits every FP8
+the backend sizes for BF16 whatever the dispatch dtype
+(:func:`~megatron_deepepv2.backends.deepep.adapter.buffer_size_arguments`), which also fits every FP8
 dispatch (its rows are never larger than BF16 ones: DeepEP asserts ``4 * ceil(H / 32) <= H``).
 
 This module reproduces the arithmetic (``csrc/elastic/buffer.hpp`` ``get_dispatch_buffer_size`` /
 ``get_combine_buffer_size`` / ``calculate_buffer_size``, ``layout.cuh`` ``TokenLayout`` / ``BufferLayout``) so that the
 sizing of every shape and group size can be checked without a GPU, and memory can be budgeted
-(:func:`layer_memory`). It imports :mod:`~megatron_deepepv2.layout`, :mod:`~megatron_deepepv2.fp8` (the scale block) and
-the backend's own decision, :func:`~megatron_deepepv2.backends.deepep.adapter.buffer_size_arguments`, which it checks;
-no dispatch imports it.
+(:func:`layer_memory`); the tests check the backend's own decision against it. It imports
+:mod:`~megatron_deepepv2.layout` and :mod:`~megatron_deepepv2.fp8` (the scale block); no dispatch imports it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_deepepv2 import fp8
-# The sizing arguments the backend passes: its own decision, made where it builds; checked against this arithmetic.
-from megatron_deepepv2.backends.deepep.adapter import buffer_size_arguments  # noqa: F401
 from megatron_deepepv2.layout import ExpertLayout, align_up, receive_bound_rows, worst_case_recv_rows
 
 #: DeepEP's symmetric-memory alignment of a buffer size (2 MiB).
