@@ -48,6 +48,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -282,7 +283,7 @@ class StepRecorder:
 
         args = get_args()
         environment = {k: v for k, v in os.environ.items()
-                       if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO")) or k == "MODEL"}
+                       if k.startswith(("MEGATRON_DEEPEPV2_", "NCCL_ALGO")) or k in ("MODEL", *CACHE_VARIABLES)}
         return {"label": self.label, "round": self.round_number, "global_batch_size": args.global_batch_size,
                 "seq_length": args.seq_length, "tokens_per_step": args.global_batch_size * args.seq_length,
                 "world_size": args.world_size,
@@ -773,16 +774,23 @@ def launch_command(launch: Launch, megatron_lm: str, steps: int, extra: Sequence
 def launch_environment(launch: Launch, model: str, runner: str, out: str,
                        fresh_caches: bool = False) -> dict[str, str]:
     """The environment of ``launch``: this process's, the variant's settings, ``MODEL``, ``RUNNER`` and the launch
-    time (:data:`LAUNCHED_AT_VARIABLE`); with ``fresh_caches``, each of :data:`CACHE_VARIABLES` names a new empty
-    folder under ``out/caches/`` for this launch alone."""
+    time (:data:`LAUNCHED_AT_VARIABLE`); with ``fresh_caches``, each of :data:`CACHE_VARIABLES` names an empty folder
+    under :func:`launch_caches` (emptied first: an earlier run into the same ``out`` left it filled). The CUDA
+    driver's own compute cache is not among them."""
     env = {**os.environ, **launch.variant.env, "MODEL": model, "RUNNER": runner,
            LAUNCHED_AT_VARIABLE: repr(time.time())}
     if fresh_caches:
-        folder = os.path.join(os.path.abspath(out), "caches", f"{launch.variant.name}-r{launch.round_number}")
+        folder = launch_caches(launch, out)
+        shutil.rmtree(folder, ignore_errors=True)
         for variable in CACHE_VARIABLES:
             env[variable] = os.path.join(folder, variable.lower())
             os.makedirs(env[variable])
     return env
+
+
+def launch_caches(launch: Launch, out: str) -> str:
+    """The folder of ``launch``'s own compilation caches under ``rounds --fresh-caches`` (removed once it ran)."""
+    return os.path.join(os.path.abspath(out), "caches", f"{launch.variant.name}-r{launch.round_number}")
 
 
 def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
@@ -841,8 +849,10 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
                 tail = f.read()[-3000:]
             logger.error("%s round %d failed (exit %d) after %.0f s:\n%s", launch.variant.name, launch.round_number,
                          status, seconds, tail)
+        if fresh_caches:  # compiled for this launch alone: no later one may use them
+            shutil.rmtree(launch_caches(launch, out), ignore_errors=True)
         results.append({"variant": launch.variant.name, "round": launch.round_number, "record": launch.out,
-                        "exit": status, "seconds": round(seconds, 1)})
+                        "exit": status, "seconds": round(seconds, 1), "fresh_caches": fresh_caches})
         with open(os.path.join(out, "rounds.json"), "w") as f:
             json.dump({"model": model, "steps": steps, "launches": results}, f, indent=1)
     return results

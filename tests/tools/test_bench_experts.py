@@ -47,12 +47,14 @@ def test_kernel_summary_counts_per_call_and_ranks_the_kernels() -> None:
         SimpleNamespace(key="cudaLaunchKernel", count=134, device_type=cpu, device_time_total=0.0),
         SimpleNamespace(key="cudaStreamSynchronize", count=6, device_type=cpu, device_time_total=0.0),
         SimpleNamespace(key="cudaMemcpyAsync", count=2, device_type=cpu, device_time_total=0.0),
+        SimpleNamespace(key="Memcpy HtoD (Pageable -> Device)", count=2, device_type=cuda, device_time_total=5.0),
+        SimpleNamespace(key="Memset (Device)", count=4, device_type=cuda, device_time_total=3.0),
         SimpleNamespace(key="aten::mm", count=8, device_type=cpu, device_time_total=2640.0),  # a host op's total
     ]
     summary = bench_experts.kernel_summary(averages, calls=2, host_s=0.01, top=2)
     assert summary["kernels"] == 67 and summary["gpu_ms"] == pytest.approx(1.33)
     assert summary["host_ms"] == pytest.approx(5.0)
-    assert summary["synchronising_calls"] == 3 and summary["memcpy_calls"] == 1
+    assert summary["synchronising_calls"] == 3 and summary["memcpy_calls"] == 1 and summary["gpu_copies"] == 3
     assert summary["top_kernels"] == [{"name": "gemm_big", "launches": 2, "ms": 1.0},
                                       {"name": "gemm_small", "launches": 64, "ms": 0.32}]
     older = [SimpleNamespace(key="k", count=2, device_type=cuda, cuda_time_total=300.0)]  # PyTorch before 2.4

@@ -64,11 +64,13 @@ def test_since_start_counts_from_the_launch_when_rounds_launched_the_run(tmp_pat
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
                         argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1), raising=False)
     monkeypatch.setenv(train_gpt.LAUNCHED_AT_VARIABLE, repr(time.time() - 100.0))
+    monkeypatch.setenv("EP_JIT_CACHE_DIR", "/caches/deepep")  # a cold-cache run says so in its header
     path = tmp_path / "run.jsonl"
     recorded = train_gpt.StepRecorder(str(path), "launched").wrap(lambda *args, **kwargs: None)
     recorded({"lm loss": torch.tensor(1.0)}, {}, 1e-4, 1, 1.0, True, 0, 1.0, None)
     header, step = (json.loads(line) for line in path.read_text().splitlines())
     assert header["started_from"] == "launch" and 100.0 <= step["since_start"] < 160.0, (header, step)
+    assert header["environment"]["EP_JIT_CACHE_DIR"] == "/caches/deepep"
 
 
 def test_each_launch_gets_its_settings_its_launch_time_and_with_fresh_caches_empty_ones(tmp_path: Path) -> None:
@@ -83,8 +85,9 @@ def test_each_launch_gets_its_settings_its_launch_time_and_with_fresh_caches_emp
     folders = [Path(env[variable]) for env in fresh for variable in train_gpt.CACHE_VARIABLES]
     assert len(set(folders)) == 6 and all(folder.is_dir() and not any(folder.iterdir()) for folder in folders)
     assert all(tmp_path / "caches" in folder.parents for folder in folders)
-    with pytest.raises(FileExistsError):  # a launch never reuses another's caches
-        train_gpt.launch_environment(first, "gpt-moe", "RUN", str(tmp_path), fresh_caches=True)
+    (folders[0] / "kernel.cubin").write_bytes(b"compiled")  # what a run into the same folder left behind
+    again = train_gpt.launch_environment(first, "gpt-moe", "RUN", str(tmp_path), fresh_caches=True)
+    assert Path(again[train_gpt.CACHE_VARIABLES[0]]) == folders[0] and not any(folders[0].iterdir())
 
 
 def test_cuda_graph_captures_are_counted_once_per_capture(monkeypatch) -> None:
