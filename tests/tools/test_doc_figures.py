@@ -11,6 +11,7 @@ every ``docs/*.json`` that a doc names must exist.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -1387,7 +1388,7 @@ GPU_SUITE_FIGURES: list[Figure] = [
         highest(*[round_time(TE_ROUNDS, f"alltoall-te-graphs#{i}") for i in (1, 2, 3)]),
         calc(lambda third, *every: third if third == min(every) else float("nan"),
              *rounds_ratios(TE_ROUNDS, *TE_SAME, rounds=(3,)), *rounds_ratios(TE_ROUNDS, *TE_SAME)),
-        calc(lambda top: -(-top * 100 // 1) / 100, highest(*rounds_ratios(TE_ROUNDS, *TE_BEST)))),
+        calc(lambda top: math.ceil(top * 100) / 100, highest(*rounds_ratios(TE_ROUNDS, *TE_BEST)))),
     fig("usage.md", "alltoall step with `TEGroupedMLP` took {:.1f}x the step with `SyncFreeSequentialMLP`",
         ratio(te_configuration("alltoall-te-graphs"), te_configuration("alltoall-syncfree-te-graphs"))),
     fig("training.md", "the largest gap between `deepepv2-te-graphs` and `alltoall-te-graphs` over the 20 steps is {} "

@@ -73,3 +73,21 @@ def test_bad_input_is_named(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         gpu_suite_record.main([f"x={not_junit},{log}", "--out", str(tmp_path)])
     assert "no <testsuite> element" in capsys.readouterr().err
+
+
+def test_reads_the_lines_the_gpu_job_lock_writes(tmp_path: Path, monkeypatch) -> None:
+    """The log format is the GPU-job lock's (tests/gpu_jobs.py): what it writes for a shared and an alone job is read
+    back as those jobs."""
+    from tests.gpu_jobs import gpu_job_lock
+
+    lock = tmp_path / "gpu_job.lock"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/functional/test_deepep.py::test_shard (call)")
+    with gpu_job_lock(1, lock_path=lock, slots=2):
+        pass
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/cli/test_readme.py::test_gpu_blocks (call)")
+    with gpu_job_lock(1, alone=True, lock_path=lock, slots=2):
+        pass
+    jobs = gpu_suite_record.gpu_jobs(str(lock.with_suffix(".log")))
+    assert [(job["test"], job["gpus"], job["shared"]) for job in jobs] == [
+        ("tests/functional/test_deepep.py::test_shard", 1, True), ("tests/cli/test_readme.py::test_gpu_blocks", 1, False)]
+    assert all(job["waited_s"] >= 0 and job["held_s"] >= 0 for job in jobs)
