@@ -793,14 +793,39 @@ def launch_caches(launch: Launch, out: str) -> str:
     return os.path.join(os.path.abspath(out), "caches", f"{launch.variant.name}-r{launch.round_number}")
 
 
+def completed_launches(out: str, model: str, steps: int) -> list[dict]:
+    """The launches ``out/rounds.json`` lists as completed for ``model`` at ``steps`` steps: exit 0 and their record
+    still there. None when the file is missing or was written for another model or step count.
+
+    Raises:
+        ValueError: When ``out/rounds.json`` is not a rounds file (it would be overwritten otherwise).
+    """
+    path = os.path.join(out, "rounds.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        try:
+            earlier = json.load(f)
+            launches, earlier_model, earlier_steps = earlier["launches"], earlier["model"], earlier["steps"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path} is not a rounds file ({error}); give another --out or remove it") from error
+    if (earlier_model, earlier_steps) != (model, steps):
+        logger.warning("not resuming: %s ran %s at %s steps, not %s at %s", path, earlier_model, earlier_steps, model,
+                       steps)
+        return []
+    return [r for r in launches if r["exit"] == 0 and os.path.exists(r["record"])]
+
+
 def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
                extra: Sequence[str] = (), profile_last: Sequence[str] = (), deadline_s: Optional[float] = None,
                run_timeout_s: float = 600.0, alltoall_graph_modules: Optional[Sequence[str]] = None,
-               fresh_caches: bool = False) -> list[dict]:
+               fresh_caches: bool = False, resume: bool = False) -> list[dict]:
     """Runs :func:`schedule`'s launches one after another (one GPU: the example at EP=1), each recorded by ``record``.
 
     A launch that fails is logged with the end of its output and the rounds go on; past ``deadline_s`` no launch
-    starts (what ran is kept; the report pairs only rounds both sides completed).
+    starts (what ran is kept; the report pairs only rounds both sides completed). With ``resume``, a schedule cut
+    off by its deadline goes on where it stopped: the launches ``out/rounds.json`` lists as completed (same model
+    and steps, exit 0, record present) are kept and not run again, the others run in the schedule's order.
 
     Args:
         megatron_lm: The Megatron-LM tree (``pretrain_gpt.py``).
@@ -816,16 +841,22 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
         alltoall_graph_modules: The capture scope of ``alltoall-syncfree-graphs`` (:func:`alltoall_graphs`), or None
             for :data:`ALLTOALL_GRAPH_MODULES`.
         fresh_caches: Every launch compiles from empty caches (:func:`launch_environment`), as on a fresh machine.
+        resume: Keep the completed launches of an earlier call into the same ``out`` (:func:`completed_launches`).
 
     Returns:
-        One entry per launch: variant, round, record path, exit status, seconds.
+        One entry per launch: variant, round, record path, exit status, seconds (kept ones included, first).
     """
     os.makedirs(out, exist_ok=True)
     plan = schedule(variants, rounds, out, profile_last, steps=steps)
     if alltoall_graph_modules:
         plan = [dataclasses.replace(launch, variant=alltoall_graphs(alltoall_graph_modules))
                 if launch.variant.name == "alltoall-syncfree-graphs" else launch for launch in plan]
-    start, results = time.monotonic(), []
+    results = completed_launches(out, model, steps) if resume else []
+    done = {(r["variant"], r["round"]) for r in results}
+    if done:
+        logger.info("resuming: %d launches completed earlier are kept", len(done))
+    plan = [launch for launch in plan if (launch.variant.name, launch.round_number) not in done]
+    start = time.monotonic()
     for i, launch in enumerate(plan, start=1):
         elapsed = time.monotonic() - start
         if deadline_s is not None and elapsed > deadline_s:
@@ -888,6 +919,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      help=f"capture scope of alltoall-syncfree-graphs (default: {' '.join(ALLTOALL_GRAPH_MODULES)})")
     rnd.add_argument("--fresh-caches", action="store_true",
                      help="each run compiles from empty DeepEP JIT, Triton and TorchInductor caches (a fresh machine)")
+    rnd.add_argument("--resume", action="store_true",
+                     help="keep the runs an earlier call into the same --out completed and run only the others")
     rnd.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain_gpt.py arguments")
     rep = commands.add_parser("report", help="compare recorded runs: JSON + PNG")
     rep.add_argument("runs", nargs="+", help="JSON-lines files")
@@ -920,7 +953,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("rounds needs --rounds >= 1 and --steps >= 2")
         results = run_rounds(args.megatron_lm, args.model, args.variants, args.rounds, args.steps, args.out,
                              args.extra, args.profile_last, args.deadline, args.run_timeout,
-                             args.alltoall_graph_modules, args.fresh_caches)
+                             args.alltoall_graph_modules, args.fresh_caches, args.resume)
         return 0 if results and all(r["exit"] == 0 for r in results) else 1
     document = report(args.runs, args.baseline, args.equal, args.skip, args.target)
     for run in document["runs"]:

@@ -302,6 +302,46 @@ def test_schedule_rotates_the_order_each_round_and_traces_the_last_round() -> No
         train_gpt.schedule(["alltoall-syncfree"], 3, "out", profile_last=["deepepv2-syncfree"])
 
 
+def test_resumed_rounds_run_only_what_an_earlier_call_left_undone(tmp_path: Path, monkeypatch) -> None:
+    """A second call with ``resume`` runs the launches the first did not complete (failed, record gone, or never
+    started) in the schedule's order and keeps the completed ones; another step count starts afresh, and a file that
+    is not a rounds file is refused rather than overwritten."""
+    ran, failing = [], set()
+
+    def fake_run(command, env, stdout, stderr, cwd, timeout):
+        record = env["RUNNER"].split("--out ", 1)[1].split(" ", 1)[0]
+        ran.append(Path(record).name)
+        if Path(record).name in failing:
+            return argparse.Namespace(returncode=1)
+        Path(record).write_text("{}\n")
+        return argparse.Namespace(returncode=0)
+
+    monkeypatch.setattr(train_gpt.subprocess, "run", fake_run)
+    out, variants = tmp_path / "runs", ["alltoall-te-graphs", "deepepv2-te-graphs"]
+    failing.add("deepepv2-te-graphs-r1.jsonl")
+    first = train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=1, steps=20, out=str(out))
+    assert [r["exit"] for r in first] == [0, 1]
+    failing.clear()
+    ran.clear()
+    resumed = train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=2, steps=20, out=str(out), resume=True)
+    assert ran == ["deepepv2-te-graphs-r1.jsonl", "deepepv2-te-graphs-r2.jsonl", "alltoall-te-graphs-r2.jsonl"]
+    assert [(r["variant"], r["round"], r["exit"]) for r in resumed] == [
+        ("alltoall-te-graphs", 1, 0), ("deepepv2-te-graphs", 1, 0), ("deepepv2-te-graphs", 2, 0),
+        ("alltoall-te-graphs", 2, 0)]
+    assert json.loads((out / "rounds.json").read_text())["launches"] == resumed
+    (out / "alltoall-te-graphs-r2.jsonl").unlink()
+    ran.clear()
+    train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=2, steps=20, out=str(out), resume=True)
+    assert ran == ["alltoall-te-graphs-r2.jsonl"]
+    ran.clear()
+    train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=1, steps=30, out=str(out), resume=True)
+    assert ran == ["alltoall-te-graphs-r1.jsonl", "deepepv2-te-graphs-r1.jsonl"]
+    (out / "rounds.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a rounds file"):
+        train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=1, steps=30, out=str(out), resume=True)
+    assert (out / "rounds.json").read_text() == "[1, 2]"
+
+
 def test_every_variant_names_its_experts_and_pairs_hold_them_equal() -> None:
     """Each comparison the rounds make holds the experts equal, and the plot names them on every bar."""
     variants = train_gpt.VARIANTS
