@@ -82,8 +82,8 @@ def model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[st
 
 
 def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
-    """The document: :func:`model_summary` per model, and per target (``RUN/BASELINE``) each model's ratio and
-    whether it was met, in the order given."""
+    """The document: :func:`model_summary` per model, per target (``RUN/BASELINE``) each model's ratio and whether it
+    was met, in the order given, and the runs' provenance (:func:`runs_provenance`)."""
     summaries = {model: model_summary(report, trace) for model, (report, trace) in models.items()}
     by_target: dict[str, dict[str, Any]] = {}
     for model, summary in summaries.items():
@@ -91,7 +91,17 @@ def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
             row = by_target.setdefault(f"{target['run']}/{target['baseline']}", {"limit": target["limit"]})
             row[model] = {"ratio": target["ratio"], "met": target["met"],
                           "gpu_floor_ratio": target.get("gpu_floor_ratio")}
-    return {"provenance": provenance(), "models": summaries, "targets": by_target}
+    return {"provenance": runs_provenance(models), "models": summaries, "targets": by_target}
+
+
+def runs_provenance(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
+    """Where the figures come from: the commits the reports recorded (``git_commit`` when they share one, else None)
+    and the latest report's date; ``summarised_by`` is this checkout's own provenance."""
+    recorded = [_load(report).get("provenance", {}) for report, _ in models.values()]
+    commits = sorted({commit for p in recorded for commit in p.get("git_commits") or [p.get("git_commit")] if commit})
+    dates = [p["date"] for p in recorded if p.get("date")]
+    return {"git_commit": commits[0] if len(commits) == 1 else None, "git_commits": commits,
+            "date": max(dates) if dates else None, "summarised_by": provenance()}
 
 
 def plot(document: dict, path: str) -> None:

@@ -90,8 +90,10 @@ CAPABILITIES: tuple[Capability, ...] = (
                jsons=("docs/functional_h200_ep1.json", "docs/fp8_sizing_h200_ep1.json",
                       "docs/bench_fp8_h200_ep1.json"),
                short="FP8 dispatch"),
-    Capability("`SyncFreeSequentialMLP` experts", GPU,
-               jsons=("docs/bench_experts.json", "docs/training_rounds_gpt_moe_h200_ep1.json"),
+    Capability("`SyncFreeSequentialMLP` experts; against `TEGroupedMLP` and TE's op fuser at the example models' "
+               "shapes ([which experts](usage.md#which-experts))", GPU,
+               jsons=("docs/bench_experts.json", "docs/training_rounds_gpt_moe_h200_ep1.json",
+                      "docs/bench_experts_training_h100.json"),
                short="`SyncFreeSequentialMLP`"),
     Capability("Megatron-LM `pretrain_gpt.py` training at EP=1 against alltoall, and resumed from a checkpoint bit for "
                "bit", GPU,
@@ -112,11 +114,12 @@ CAPABILITIES: tuple[Capability, ...] = (
                short="EP2 over NVLink (once, older code)"),
     Capability("Transformer Engine at EP=1 (1x H100): TE layers with `TEGroupedMLP` (host sync; also through TE's op "
                "fuser), fused permute, TE's FP8 recipes against BF16, deterministic mode, TE's partial CUDA graphs and "
-               "whole TE layers in CUDA graphs; against alltoall, in functional cases and `pretrain_gpt.py`; "
-               "[what runs](usage.md#transformer-engine)", GPU,
+               "whole TE layers in CUDA graphs; against alltoall, in functional cases and `pretrain_gpt.py` (rounds on "
+               "three models, time to the first step); [what runs](usage.md#transformer-engine)", GPU,
                jsons=("docs/functional_te_h100_ep1.json", "docs/training_te_h100_ep1.json",
                       "docs/training_te_deterministic_h100_ep1.json", "docs/megatron_conformance_te_h100_ep1.json",
-                      "docs/training_rounds_gpt_moe_te_h100_ep1.json"),
+                      "docs/training_rounds_te_h100_ep1.json",
+                      "docs/training_first_step_fresh_caches_gpt_moe_te_h100_ep1.json"),
                short="Transformer Engine (H100)"),
     Capability("the GPU suite, `make test` on 1x H100 with DeepEP: without Transformer Engine on a fresh machine, then "
                "with it", GPU, jsons=("docs/gpu_suite_h100_ep1.json",),

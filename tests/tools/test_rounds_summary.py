@@ -47,6 +47,7 @@ def test_models_side_by_side_with_each_targets_gpu_busy_floor(tmp_path: Path) ->
     (target,) = small_model["targets"]
     assert target["ratio"] == pytest.approx(0.50) and target["met"]
     assert target["gpu_floor_ratio"] == pytest.approx(70.0 / 100.0)
+    assert document["provenance"]["git_commit"] == json.loads(Path(small).read_text())["provenance"]["git_commit"]
     row = document["targets"][f"{DEEPEPV2}/{ALLTOALL}"]
     assert row["limit"] == 0.60
     assert row["small"]["met"] and row["large"] == {"ratio": pytest.approx(0.92), "met": False,
@@ -57,6 +58,15 @@ def test_a_trace_of_another_configuration_or_a_report_without_targets_is_refused
     report = _report(tmp_path / "r", [0.05, 0.05, 0.05])
     with pytest.raises(ValueError, match=r"traces \['alltoall-te-graphs'\] are not among"):
         rounds_summary.model_summary(report, _trace(tmp_path / "t.json", {"alltoall-te-graphs": 1.0}))
+    commits = []
+    for commit, date in (("1111111", "2026-01-01T00:00:00Z"), ("0000000", "2099-01-01T00:00:00Z")):
+        commits.append(tmp_path / f"{commit}.json")
+        commits[-1].write_text(json.dumps({**json.loads(Path(report).read_text()),
+                                           "provenance": {"git_commit": commit, "date": date}}))
+    mixed = rounds_summary.runs_provenance({"a": (str(commits[0]), None), "b": (str(commits[1]), None)})
+    assert mixed["git_commit"] is None and mixed["git_commits"] == ["0000000", "1111111"]
+    assert mixed["date"].startswith("2099")
+    assert rounds_summary.runs_provenance({"a": (str(commits[0]), None)})["git_commit"] == "1111111"
     untargeted = tmp_path / "untargeted.json"
     untargeted.write_text(json.dumps({**json.loads(Path(report).read_text()), "targets": []}))
     with pytest.raises(ValueError, match="no configurations or no targets"):
