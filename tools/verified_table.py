@@ -122,7 +122,7 @@ CAPABILITIES: tuple[Capability, ...] = (
                       "docs/training_first_step_fresh_caches_gpt_moe_te_h100_ep1.json"),
                short="Transformer Engine (H100)"),
     Capability("the GPU suite, `make test` on 1x H100 with DeepEP: without Transformer Engine on a fresh machine, then "
-               "with it", GPU, jsons=("docs/gpu_suite_h100_ep1.json",),
+               "with it", GPU, jsons=("docs/gpu_suite_h100_ep1.json", "docs/gpu_suite_te_rerun_h100_ep1.json"),
                short="the GPU suite with and without TE"),
     Capability("megatron-core 0.17.1 and 0.18.2", CPU,
                tests=("make test-compat", "tests/unit/test_megatron_integration.py", "tests/unit/test_no_host_sync.py",

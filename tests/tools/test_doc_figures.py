@@ -1356,6 +1356,7 @@ TE_MODELS = {"gpt-moe": "training_rounds_gpt_moe_te_h100_ep1",
              "qwen3-moe-router": "training_rounds_qwen3_moe_router_te_h100_ep1"}
 TE_SUMMARY, TE_FIRST_STEP = "training_rounds_te_h100_ep1.json", "training_first_step_fresh_caches_gpt_moe_te_h100_ep1.json"
 TE_EARLIER, GPU_SUITE = "training_rounds_gpt_moe_te_h100_ep1_earlier_machine.json", "gpu_suite_h100_ep1.json"
+GPU_SUITE_RERUN = "gpu_suite_te_rerun_h100_ep1.json"
 TE_BEST = ("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs")
 TE_SAME = ("deepepv2-te-graphs", "alltoall-te-graphs")
 TE_ORDER = ("alltoall-te-graphs", "deepepv2-te-graphs", "alltoall-syncfree-te-graphs",
@@ -1543,6 +1544,15 @@ GPU_SUITE_FIGURES: list[Figure] = [
     fig("benchmarks.md", "The TE case file ran ({:.1f} s)",
         J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": "tests/functional/test_transformer_engine.py::test_te_cases_on_one_gpu"},
           "held_s")),
+    fig("benchmarks.md", "**With TE again, at {}** (another fresh H100, cold DeepEP JIT cache, TE installed before the "
+                         "run;\n[gpu_suite_te_rerun_h100_ep1.json](gpu_suite_te_rerun_h100_ep1.json)): {} passed, {} "
+                         "failed, {} skipped, `make test`\n{:.0f} s",
+        J(GPU_SUITE_RERUN, "provenance", "git_commit"),
+        *[J(GPU_SUITE_RERUN, "runs", "te", key) for key in ("passed", "failed", "skipped", "make_test_s")]),
+    fig("benchmarks.md", "The one failure was again a test's assumption:\n`{}`",
+        calc(lambda failed: "{0}.py::{1}".format(*failed[0].replace(".", "/").split("::")) if len(failed) == 1
+             else failed,
+             J(GPU_SUITE_RERUN, "runs", "te", "failed_tests"))),
 ]
 FIGURES += GPU_SUITE_FIGURES
 

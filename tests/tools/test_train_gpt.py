@@ -24,6 +24,7 @@ def test_recorder_keeps_each_step_exactly_and_passes_the_call_on(tmp_path: Path,
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
                         argparse.Namespace(global_batch_size=4, seq_length=8, world_size=1), raising=False)
     monkeypatch.setenv("MEGATRON_DEEPEPV2_EXPERTS", "sync_free")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same record on a CPU and a GPU machine
     calls = []
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
@@ -56,6 +57,9 @@ def test_recorder_keeps_each_step_exactly_and_passes_the_call_on(tmp_path: Path,
     assert all(s["cuda_graphs"] == train_gpt.CudaGraphCaptures.count for s in steps)
     assert header["device"] == "cpu" and header["versions"]["torch"] == torch.__version__.split("+")[0], header
     assert set(header["versions"]) >= {"torch", "megatron-core", "deep_ep", "transformer_engine"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert train_gpt.StepRecorder(str(tmp_path / "gpu.jsonl"), "x")._header()["device"] == "NVIDIA H100 80GB HBM3"
 
 
 def test_since_start_counts_from_the_launch_when_rounds_launched_the_run(tmp_path: Path, monkeypatch) -> None:
