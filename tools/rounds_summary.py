@@ -10,8 +10,9 @@ optionally, the ``tools/trace_summary.py`` summary of a model's traced runs (``r
 
 For a target whose run was traced, ``gpu_floor_ratio`` is the run's GPU-busy time per step in the trace (kernels,
 copies and memsets, their union) over the baseline's median step: the ratio the run would reach if it lost every
-microsecond the GPU sat idle and did the same GPU work. A target below it cannot be met by host-side work alone. The
-profiler slows the host, not the kernels, so the traced GPU-busy time stands for the untraced step's.
+microsecond its GPU sat idle and kept its own GPU work. A target below it needs less GPU work, not less host work.
+The profiler adds host time to every launch; the GPU-busy time is read from the traced steps as an estimate of the
+untraced ones'.
 
 Writes ``<name>.json`` and ``<name>.png`` (each model's median step per configuration, every round's run as a dot).
 """
@@ -33,11 +34,21 @@ logger = logging.getLogger("rounds_summary")
 
 
 def _load(path: str) -> dict:
+    """The JSON document at ``path``."""
     with open(path) as f:
         return json.load(f)
 
 
 def model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[str, Any]:
+    """:func:`_model_summary`, a report or trace without a field it reads raising ValueError (naming both files)."""
+    try:
+        return _model_summary(report_path, trace_path)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{report_path} (trace {trace_path}) lacks {error}: give the JSONs tools/train_gpt.py report "
+                         "and tools/trace_summary.py write") from error
+
+
+def _model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[str, Any]:
     """One model's rounds: its configurations (median step, each round's, experts, graphs, first step), its targets
     (with ``gpu_floor_ratio`` where the target's run was traced), its machine and commits.
 
@@ -51,7 +62,7 @@ def model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[st
 
     Raises:
         ValueError: The report has no configurations or no targets, or the trace names a configuration the report
-            lacks.
+            lacks; (:func:`model_summary`) a field it reads is missing.
     """
     report = _load(report_path)
     if not report.get("configurations") or not report.get("targets"):
@@ -82,21 +93,44 @@ def model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[st
 
 
 def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
-    """The document: :func:`model_summary` per model, per target (``RUN/BASELINE``) each model's ratio and whether it
-    was met, in the order given, and the runs' provenance (:func:`runs_provenance`)."""
+    """Puts the models' rounds side by side.
+
+    Args:
+        models: Per model, its report and its trace summary (or None), as :func:`parse_model` gives them.
+
+    Returns:
+        ``{"provenance", "models", "targets"}``: :func:`model_summary` per model; per target (``RUN/BASELINE``) its
+        limit and each model's ratio, whether it was met and its GPU-busy floor, in the order given; the runs'
+        provenance (:func:`runs_provenance`).
+
+    Raises:
+        ValueError: As :func:`model_summary`, or when two models judge one target against different limits.
+    """
     summaries = {model: model_summary(report, trace) for model, (report, trace) in models.items()}
     by_target: dict[str, dict[str, Any]] = {}
     for model, summary in summaries.items():
         for target in summary["targets"]:
-            row = by_target.setdefault(f"{target['run']}/{target['baseline']}", {"limit": target["limit"]})
+            key = f"{target['run']}/{target['baseline']}"
+            row = by_target.setdefault(key, {"limit": target["limit"], "round_limit": target["round_limit"]})
+            if (row["limit"], row["round_limit"]) != (target["limit"], target["round_limit"]):
+                raise ValueError(f"{model} judges {key} against {target['limit']} (rounds {target['round_limit']}), "
+                                 f"an earlier model against {row['limit']} (rounds {row['round_limit']}): report "
+                                 "every model with the same --target")
             row[model] = {"ratio": target["ratio"], "met": target["met"],
                           "gpu_floor_ratio": target.get("gpu_floor_ratio")}
     return {"provenance": runs_provenance(models), "models": summaries, "targets": by_target}
 
 
 def runs_provenance(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
-    """Where the figures come from: the commits the reports recorded (``git_commit`` when they share one, else None)
-    and the latest report's date; ``summarised_by`` is this checkout's own provenance."""
+    """Where the figures come from.
+
+    Args:
+        models: As :func:`summarise`.
+
+    Returns:
+        The commits the reports recorded (``git_commit`` when they share one, else None), the latest report's date,
+        and ``summarised_by``, this checkout's own provenance.
+    """
     recorded = [_load(report).get("provenance", {}) for report, _ in models.values()]
     commits = sorted({commit for p in recorded for commit in p.get("git_commits") or [p.get("git_commit")] if commit})
     dates = [p["date"] for p in recorded if p.get("date")]
@@ -106,7 +140,12 @@ def runs_provenance(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, A
 
 def plot(document: dict, path: str) -> None:
     """One panel per model: the median step per configuration (bars, each target's baseline beside its run), each
-    round's run (dots), a traced run's GPU-busy time (dashed), and the targets' median ratios in the title."""
+    round's run (dots), a traced run's GPU-busy time (dashed), and the targets' median ratios in the title.
+
+    Args:
+        document: As :func:`summarise` returns it.
+        path: The PNG file.
+    """
     models = document["models"]
     fig, first = new_figure(5.0 * len(models), 4.2)
     fig.delaxes(first)
@@ -147,6 +186,7 @@ def parse_model(argument: str) -> tuple[str, tuple[str, Optional[str]]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line (see the module docstring); returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", metavar="MODEL=REPORT[,TRACE]",
                         help="a model's train_gpt.py report and, optionally, the trace_summary.py JSON of its traces")
@@ -155,7 +195,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     try:
-        models = dict(parse_model(argument) for argument in args.models)
+        parsed = [parse_model(argument) for argument in args.models]
+        repeated = sorted({model for model, _ in parsed if [m for m, _ in parsed].count(model) > 1})
+        if repeated:
+            raise ValueError(f"models given more than once: {repeated}; give each model one REPORT[,TRACE]")
+        models = dict(parsed)
         document = summarise(models)
     except (ValueError, OSError) as error:
         parser.error(str(error))

@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -793,12 +794,38 @@ def launch_caches(launch: Launch, out: str) -> str:
     return os.path.join(os.path.abspath(out), "caches", f"{launch.variant.name}-r{launch.round_number}")
 
 
-def completed_launches(out: str, model: str, steps: int) -> list[dict]:
-    """The launches ``out/rounds.json`` lists as completed for ``model`` at ``steps`` steps: exit 0 and their record
-    still there. None when the file is missing or was written for another model or step count.
+def rounds_options(model: str, steps: int, extra: Sequence[str] = (), profile_last: Sequence[str] = (),
+                   alltoall_graph_modules: Optional[Sequence[str]] = None, fresh_caches: bool = False) -> dict:
+    """What the runs of one rounds folder share, so that a resumed call adds runs comparable with the kept ones: the
+    model, steps, extra arguments, traced variants, alltoall's capture scope, fresh caches, and the machine (its host
+    name: runs from two machines are not paired in a round).
+
+    Args:
+        model, steps, extra, profile_last, alltoall_graph_modules, fresh_caches: As :func:`run_rounds`.
+
+    Returns:
+        The options, JSON-serialisable.
+    """
+    return {"model": model, "steps": steps, "extra": list(extra), "profile_last": sorted(profile_last),
+            "alltoall_graph_modules": list(alltoall_graph_modules or []), "fresh_caches": fresh_caches,
+            "host": socket.gethostname()}
+
+
+def completed_launches(out: str, options: dict, plan: Sequence[Launch]) -> list[dict]:
+    """The launches of ``plan`` that ``out/rounds.json`` lists as completed: exit 0 and their record still there.
+
+    Args:
+        out: The rounds folder.
+        options: :func:`rounds_options` of this call.
+        plan: This call's launches (a kept launch must be one of them).
+
+    Returns:
+        The completed launches' entries, in the file's order; none when the file is missing.
 
     Raises:
-        ValueError: When ``out/rounds.json`` is not a rounds file (it would be overwritten otherwise).
+        ValueError: When ``out/rounds.json`` is not a rounds file, or was written with other options (another model,
+            step count, extra arguments, traced variants, capture scope, cache mode or machine): its records would be
+            overwritten or paired with runs unlike them.
     """
     path = os.path.join(out, "rounds.json")
     if not os.path.exists(path):
@@ -806,14 +833,49 @@ def completed_launches(out: str, model: str, steps: int) -> list[dict]:
     with open(path) as f:
         try:
             earlier = json.load(f)
-            launches, earlier_model, earlier_steps = earlier["launches"], earlier["model"], earlier["steps"]
+            launches, earlier_options = earlier["launches"], earlier["options"]
+            completed = {(r["variant"], r["round"]): r for r in launches if r["exit"] == 0 and
+                         os.path.exists(r["record"])}
         except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{path} is not a rounds file ({error}); give another --out or remove it") from error
-    if (earlier_model, earlier_steps) != (model, steps):
-        logger.warning("not resuming: %s ran %s at %s steps, not %s at %s", path, earlier_model, earlier_steps, model,
-                       steps)
-        return []
-    return [r for r in launches if r["exit"] == 0 and os.path.exists(r["record"])]
+            raise ValueError(f"{path} is not a rounds file of this tool ({error!r}); give another --out or remove "
+                             "it") from error
+    differing = {key: (earlier_options.get(key), value) for key, value in options.items()
+                 if earlier_options.get(key) != value}
+    if differing:
+        said = "; ".join(f"{key} was {old!r}, is {new!r}" for key, (old, new) in differing.items())
+        raise ValueError(f"cannot resume the rounds in {out}: {said}. Resume with the same options, or give another "
+                         "--out")
+    return [completed[key] for key in ((launch.variant.name, launch.round_number) for launch in plan)
+            if key in completed]
+
+
+def _run_launch(launch: Launch, megatron_lm: str, model: str, steps: int, out: str, extra: Sequence[str],
+                run_timeout_s: float, fresh_caches: bool) -> dict:
+    """Runs one launch of :func:`run_rounds` (its output into its log; a failure logged with the log's end).
+
+    Returns:
+        Its entry: variant, round, record path, exit status (-9 when stopped at ``run_timeout_s``), seconds.
+    """
+    command, runner = launch_command(launch, megatron_lm, steps, extra)
+    env = launch_environment(launch, model, runner, out, fresh_caches)
+    log = launch.out.removesuffix(".jsonl") + ".log"
+    began = time.monotonic()
+    with open(log, "w") as f:
+        try:
+            status = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    timeout=run_timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            status = -9
+    seconds = time.monotonic() - began
+    if status != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        logger.error("%s round %d failed (exit %d) after %.0f s:\n%s", launch.variant.name, launch.round_number,
+                     status, seconds, tail)
+    if fresh_caches:  # compiled for this launch alone: no later one may use them
+        shutil.rmtree(launch_caches(launch, out), ignore_errors=True)
+    return {"variant": launch.variant.name, "round": launch.round_number, "record": launch.out, "exit": status,
+            "seconds": round(seconds, 1), "fresh_caches": fresh_caches}
 
 
 def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
@@ -824,8 +886,8 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
 
     A launch that fails is logged with the end of its output and the rounds go on; past ``deadline_s`` no launch
     starts (what ran is kept; the report pairs only rounds both sides completed). With ``resume``, a schedule cut
-    off by its deadline goes on where it stopped: the launches ``out/rounds.json`` lists as completed (same model
-    and steps, exit 0, record present) are kept and not run again, the others run in the schedule's order.
+    off by its deadline goes on where it stopped: the launches of this schedule that ``out/rounds.json`` lists as
+    completed are kept and not run again, the others run in the schedule's order (:func:`completed_launches`).
 
     Args:
         megatron_lm: The Megatron-LM tree (``pretrain_gpt.py``).
@@ -841,20 +903,24 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
         alltoall_graph_modules: The capture scope of ``alltoall-syncfree-graphs`` (:func:`alltoall_graphs`), or None
             for :data:`ALLTOALL_GRAPH_MODULES`.
         fresh_caches: Every launch compiles from empty caches (:func:`launch_environment`), as on a fresh machine.
-        resume: Keep the completed launches of an earlier call into the same ``out`` (:func:`completed_launches`).
+        resume: Keep the completed launches of an earlier call into the same ``out`` with the same options.
 
     Returns:
         One entry per launch: variant, round, record path, exit status, seconds (kept ones included, first).
+
+    Raises:
+        ValueError: With ``resume``, as :func:`completed_launches`.
     """
     os.makedirs(out, exist_ok=True)
     plan = schedule(variants, rounds, out, profile_last, steps=steps)
     if alltoall_graph_modules:
         plan = [dataclasses.replace(launch, variant=alltoall_graphs(alltoall_graph_modules))
                 if launch.variant.name == "alltoall-syncfree-graphs" else launch for launch in plan]
-    results = completed_launches(out, model, steps) if resume else []
+    options = rounds_options(model, steps, extra, profile_last, alltoall_graph_modules, fresh_caches)
+    results = completed_launches(out, options, plan) if resume else []
+    if results:
+        logger.info("resuming: %d launches completed earlier are kept", len(results))
     done = {(r["variant"], r["round"]) for r in results}
-    if done:
-        logger.info("resuming: %d launches completed earlier are kept", len(done))
     plan = [launch for launch in plan if (launch.variant.name, launch.round_number) not in done]
     start = time.monotonic()
     for i, launch in enumerate(plan, start=1):
@@ -862,30 +928,11 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
         if deadline_s is not None and elapsed > deadline_s:
             logger.warning("deadline: %d of %d launches not started", len(plan) - i + 1, len(plan))
             break
-        command, runner = launch_command(launch, megatron_lm, steps, extra)
-        env = launch_environment(launch, model, runner, out, fresh_caches)
-        log = launch.out.removesuffix(".jsonl") + ".log"
         logger.info("[%d/%d] round %d %-40s (%.0f s so far)", i, len(plan), launch.round_number, launch.variant.name,
                     elapsed)
-        began = time.monotonic()
-        with open(log, "w") as f:
-            try:
-                status = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                        timeout=run_timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                status = -9
-        seconds = time.monotonic() - began
-        if status != 0:
-            with open(log) as f:
-                tail = f.read()[-3000:]
-            logger.error("%s round %d failed (exit %d) after %.0f s:\n%s", launch.variant.name, launch.round_number,
-                         status, seconds, tail)
-        if fresh_caches:  # compiled for this launch alone: no later one may use them
-            shutil.rmtree(launch_caches(launch, out), ignore_errors=True)
-        results.append({"variant": launch.variant.name, "round": launch.round_number, "record": launch.out,
-                        "exit": status, "seconds": round(seconds, 1), "fresh_caches": fresh_caches})
+        results.append(_run_launch(launch, megatron_lm, model, steps, out, extra, run_timeout_s, fresh_caches))
         with open(os.path.join(out, "rounds.json"), "w") as f:
-            json.dump({"model": model, "steps": steps, "launches": results}, f, indent=1)
+            json.dump({"model": model, "steps": steps, "options": options, "launches": results}, f, indent=1)
     return results
 
 
@@ -920,7 +967,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rnd.add_argument("--fresh-caches", action="store_true",
                      help="each run compiles from empty DeepEP JIT, Triton and TorchInductor caches (a fresh machine)")
     rnd.add_argument("--resume", action="store_true",
-                     help="keep the runs an earlier call into the same --out completed and run only the others")
+                     help="keep the runs an earlier call into the same --out completed (same options, same machine) "
+                          "and run only the others")
     rnd.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more pretrain_gpt.py arguments")
     rep = commands.add_parser("report", help="compare recorded runs: JSON + PNG")
     rep.add_argument("runs", nargs="+", help="JSON-lines files")

@@ -71,6 +71,16 @@ def test_a_trace_of_another_configuration_or_a_report_without_targets_is_refused
     untargeted.write_text(json.dumps({**json.loads(Path(report).read_text()), "targets": []}))
     with pytest.raises(ValueError, match="no configurations or no targets"):
         rounds_summary.model_summary(str(untargeted))
+    stricter = tmp_path / "stricter.json"
+    stricter.write_text(json.dumps({**json.loads(Path(report).read_text()),
+                                    "targets": [{**json.loads(Path(report).read_text())["targets"][0], "limit": 0.5}]}))
+    with pytest.raises(ValueError, match="report every model with the same --target"):
+        rounds_summary.summarise({"a": (report, None), "b": (str(stricter), None)})
+    targetless = json.loads(Path(report).read_text())
+    del targetless["targets"][0]["round_ratios"]
+    (tmp_path / "truncated.json").write_text(json.dumps(targetless))
+    with pytest.raises(ValueError, match="lacks 'round_ratios'"):
+        rounds_summary.model_summary(str(tmp_path / "truncated.json"))
     for bad in ("gpt-moe", "=r.json", "gpt-moe=", "gpt-moe=a.json,b.json,c.json", "gpt-moe=a.json,"):
         with pytest.raises(ValueError, match="MODEL=REPORT.json"):
             rounds_summary.parse_model(bad)
@@ -87,3 +97,6 @@ def test_the_command_writes_json_and_png_and_names_a_bad_argument(tmp_path: Path
     with pytest.raises(SystemExit):
         rounds_summary.main(["--out", str(tmp_path / "out"), f"m={tmp_path / 'missing.json'}"])
     assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rounds_summary.main(["--out", str(tmp_path / "out"), f"m={report}", f"m={report}"])
+    assert "models given more than once: ['m']" in capsys.readouterr().err

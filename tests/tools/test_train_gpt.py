@@ -308,8 +308,8 @@ def test_schedule_rotates_the_order_each_round_and_traces_the_last_round() -> No
 
 def test_resumed_rounds_run_only_what_an_earlier_call_left_undone(tmp_path: Path, monkeypatch) -> None:
     """A second call with ``resume`` runs the launches the first did not complete (failed, record gone, or never
-    started) in the schedule's order and keeps the completed ones; another step count starts afresh, and a file that
-    is not a rounds file is refused rather than overwritten."""
+    started) in the schedule's order and keeps the completed ones of its own schedule; other options, another machine
+    or a file that is not a rounds file are refused rather than mixed in or overwritten."""
     ran, failing = [], set()
 
     def fake_run(command, env, stdout, stderr, cwd, timeout):
@@ -338,12 +338,27 @@ def test_resumed_rounds_run_only_what_an_earlier_call_left_undone(tmp_path: Path
     train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=2, steps=20, out=str(out), resume=True)
     assert ran == ["alltoall-te-graphs-r2.jsonl"]
     ran.clear()
-    train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=1, steps=30, out=str(out), resume=True)
-    assert ran == ["alltoall-te-graphs-r1.jsonl", "deepepv2-te-graphs-r1.jsonl"]
-    (out / "rounds.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a rounds file"):
-        train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=1, steps=30, out=str(out), resume=True)
-    assert (out / "rounds.json").read_text() == "[1, 2]"
+    # A narrower schedule keeps only its own completed launches and runs nothing more.
+    narrower = train_gpt.run_rounds("/mlm", "gpt-moe", variants[1:], rounds=1, steps=20, out=str(out), resume=True)
+    assert ran == [] and [(r["variant"], r["round"]) for r in narrower] == [("deepepv2-te-graphs", 1)]
+    # Other options would pair unlike runs or overwrite records: refused, naming what differs, the file untouched.
+    kept = (out / "rounds.json").read_text()
+    for changed, named in (({"steps": 30}, "steps was 20, is 30"), ({"extra": ["--seed", "7"]}, "extra was []"),
+                           ({"fresh_caches": True}, "fresh_caches was False"),
+                           ({"model": "gpt-moe-large"}, "model was 'gpt-moe'")):
+        arguments = {"model": "gpt-moe", "steps": 20, **changed}
+        with pytest.raises(ValueError, match=re.escape(named)):
+            train_gpt.run_rounds("/mlm", arguments.pop("model"), variants, rounds=2, out=str(out), resume=True,
+                                 **arguments)
+        assert (out / "rounds.json").read_text() == kept and ran == []
+    monkeypatch.setattr(train_gpt.socket, "gethostname", lambda: "another-machine")
+    with pytest.raises(ValueError, match="host was .*, is 'another-machine'"):
+        train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=2, steps=20, out=str(out), resume=True)
+    for not_rounds in ("[1, 2]", json.dumps({"options": {}, "launches": [{"variant": "x"}]})):
+        (out / "rounds.json").write_text(not_rounds)
+        with pytest.raises(ValueError, match="not a rounds file"):
+            train_gpt.run_rounds("/mlm", "gpt-moe", variants, rounds=1, steps=30, out=str(out), resume=True)
+        assert (out / "rounds.json").read_text() == not_rounds
 
 
 def test_every_variant_names_its_experts_and_pairs_hold_them_equal() -> None:
