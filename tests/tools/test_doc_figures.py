@@ -1354,9 +1354,13 @@ FIGURES += TE_FIGURES
 TE_MODELS = {"gpt-moe": "training_rounds_gpt_moe_te_h100_ep1",
              "gpt-moe-large": "training_rounds_gpt_moe_large_te_h100_ep1",
              "qwen3-moe-router": "training_rounds_qwen3_moe_router_te_h100_ep1"}
-TE_SUMMARY, TE_FIRST_STEP = "training_rounds_te_h100_ep1.json", "training_first_step_fresh_caches_gpt_moe_te_h100_ep1.json"
+TE_SUMMARY = "training_rounds_te_h100_ep1.json"
+TE_FIRST_STEP = "training_first_step_fresh_caches_gpt_moe_te_h100_ep1.json"
 TE_EARLIER, GPU_SUITE = "training_rounds_gpt_moe_te_h100_ep1_earlier_machine.json", "gpu_suite_h100_ep1.json"
 GPU_SUITE_RERUN = "gpu_suite_te_rerun_h100_ep1.json"
+DEEPEP_SHARD_3 = "tests/functional/test_deepep.py::test_deepep_cases_on_one_gpu[3]"
+TE_CASES = "tests/functional/test_transformer_engine.py::test_te_cases_on_one_gpu"
+TE_NO_DROPOUT = "training_gpt_moe_large_te_no_dropout_h100_ep1.json"
 TE_BEST = ("deepepv2-nohostsync-te-layer-graphs", "alltoall-syncfree-te-graphs")
 TE_SAME = ("deepepv2-te-graphs", "alltoall-te-graphs")
 TE_ORDER = ("alltoall-te-graphs", "deepepv2-te-graphs", "alltoall-syncfree-te-graphs",
@@ -1397,6 +1401,36 @@ def te_model_rows(model: str) -> list[Figure]:
     return [steps, ratios]
 
 
+#: The rounds whose launches found DeepEP's, Triton's and TorchInductor's caches warm (round 1 still compiled).
+WARM_ROUNDS = (2, 3)
+
+
+def first_step_cost(label: str) -> Source:
+    """What empty caches add to a configuration's time to the first step: medians, empty against warm."""
+    return difference(median(*te_first_steps(TE_FIRST_STEP, label, (1, 2))),
+                      median(*te_first_steps(te_report("gpt-moe"), label, WARM_ROUNDS)))
+
+
+def te_loss_spread(model: str, first: str, second: str, formatted: bool = True) -> Source:
+    """The largest loss difference over steps 1-20 between any run of ``first`` and any other run of ``second``."""
+    report = te_report(model)
+    runs = [f"{label}#{i}" for label in (first, second) for i in (1, 2, 3)]
+
+    def spread(*losses: dict) -> Any:
+        ones, others = losses[:3], losses[3:]
+        largest = max(abs(a[step] - b[step]) for x, a in enumerate(ones) for y, b in enumerate(others)
+                      if first != second or x != y for step in a if int(step) <= 20)
+        return short_e(largest) if formatted else largest
+    return calc(spread, *[J(report, "runs", {"run": run}, "loss") for run in runs])
+
+
+def te_loss_range(model: str, step: int, labels: list[str]) -> tuple[Source, Source]:
+    """Lowest and highest loss at ``step`` over the three rounds' runs of ``labels``."""
+    losses = [J(te_report(model), "runs", {"run": f"{label}#{i}"}, "loss", str(step)) for label in labels
+              for i in (1, 2, 3)]
+    return lowest(*losses), highest(*losses)
+
+
 def te_earlier_row(label: str, experts: str, graphs: str) -> Figure:
     """A row of the earlier machine's table: each round's step and the median."""
     return fig("training.md", row(f"`{label}`", f"`{experts}`", graphs, "{:.1f}, {:.1f}, {:.1f}", "{:.1f}"),
@@ -1413,11 +1447,6 @@ def experts_training(model: str, *path: str, activation: str = "swiglu") -> Sour
     return J(EXPERTS_TRAINING, "rows", {"config": f"{model}: {EXPERT_CONFIGS[model]} {activation}"}, *path)
 
 
-def te_loss_gaps(label: str, runs: Iterable[int]) -> list[Source]:
-    return [calc(lambda *gaps: short_e(max(gaps)), *[J(te_report(model), "loss_gap", f"{label}#{i}", "max_abs")
-                                                     for i in runs]) for model in TE_MODELS]
-
-
 GPU_SUITE_FIGURES: list[Figure] = [
     *[figure for model in TE_MODELS for figure in te_model_rows(model)],
     fig("training.md", "its best keeps the GPU busy {:.1f}, {:.1f} and {:.1f} ms a step (`gpt-moe`, `gpt-moe-large`, "
@@ -1425,10 +1454,22 @@ GPU_SUITE_FIGURES: list[Figure] = [
         *[te_busy(model, TE_BEST[0]) for model in TE_MODELS], *[te_busy(model, TE_BEST[1]) for model in TE_MODELS]),
     fig("training.md", "its step would be {:.3f}, {:.3f} and {:.3f} of alltoall's",
         *[ratio(te_busy(model, TE_BEST[0]), te_step(model, TE_BEST[1])) for model in TE_MODELS]),
-    fig("training.md", "already {:.0f}%, {:.0f}% and {:.0f}% GPU-busy ({:.1f} of {:.1f} ms, {:.1f} of {:.1f}, {:.1f} of "
-                       "{:.1f})",
+    fig("training.md", "already {:.0f}%, {:.0f}%\nand {:.0f}% GPU-busy ({:.1f} of {:.1f} ms, {:.1f} of {:.1f}, "
+                       "{:.1f} of {:.1f})",
         *[percent(te_busy(model, TE_BEST[0]), te_step(model, TE_BEST[0])) for model in TE_MODELS],
         *[source for model in TE_MODELS for source in (te_busy(model, TE_BEST[0]), te_step(model, TE_BEST[0]))]),
+    fig("training.md", "Of deepepv2's gain per step ({:.1f}, {:.1f} and {:.1f} ms),\nthe smaller GPU-busy time "
+                       "accounts for {:.0f}%, {:.0f}% and {:.0f}%",
+        *[difference(te_step(model, TE_BEST[1]), te_step(model, TE_BEST[0])) for model in TE_MODELS],
+        *[percent(difference(te_busy(model, TE_BEST[1]), te_busy(model, TE_BEST[0])),
+                  difference(te_step(model, TE_BEST[1]), te_step(model, TE_BEST[0]))) for model in TE_MODELS]),
+    fig("training.md", "TE's multi-tensor Adam ({:.1f} ms a step on each) and the\nexperts' grouped GEMMs ({:.1f} ms)",
+        *[calc(lambda *sides: sides[0] if round(sides[0], 1) == round(sides[1], 1) else float("nan"),
+               *[calc(lambda kernels, prefix=prefix: next(ms for name, ms in kernels.items()
+                                                          if name.startswith(prefix)),
+                      J(f"{TE_MODELS['gpt-moe']}_trace.json", "summaries", label, "top_kernels_ms"))
+                 for label in TE_BEST])
+          for prefix in ("void multi_tensor_apply_kernel<TensorListMetadata<4", "_ZN7cutlass13device_kernel")]),
     fig("training.md", "{:.0f}% of alltoall's traced step is GPU-busy ({:.1f} of {:.1f} ms), {:.0f}% of deepepv2's",
         percent(te_busy("gpt-moe-large", TE_BEST[1]),
                 J(f"{TE_MODELS['gpt-moe-large']}_trace.json", "summaries", TE_BEST[1], "wall_ms")),
@@ -1436,9 +1477,9 @@ GPU_SUITE_FIGURES: list[Figure] = [
         J(f"{TE_MODELS['gpt-moe-large']}_trace.json", "summaries", TE_BEST[1], "wall_ms"),
         percent(te_busy("gpt-moe-large", TE_BEST[0]),
                 J(f"{TE_MODELS['gpt-moe-large']}_trace.json", "summaries", TE_BEST[0], "wall_ms"))),
-    fig("training.md", "took {:.1f} ms a step for `alltoall-syncfree-te-graphs` and {:.1f} ms for `alltoall-te-graphs`, "
-                       "{:.1f}x and {:.1f}x this machine's, while deepepv2's replayed layers took {:.1f} ms, {:.1f}x: "
-                       "there the ratio was {:.3f}",
+    fig("training.md", "took {:.1f} ms a\nstep for `alltoall-syncfree-te-graphs` and {:.1f} ms for "
+                       "`alltoall-te-graphs`, {:.1f}x and {:.1f}x this machine's, while\n"
+                       "`deepepv2-nohostsync-te-layer-graphs` took {:.1f} ms, {:.1f}x: there the ratio was {:.3f}",
         J(TE_EARLIER, "configurations", TE_BEST[1], "median_step_ms"),
         J(TE_EARLIER, "configurations", TE_SAME[1], "median_step_ms"),
         ratio(J(TE_EARLIER, "configurations", TE_BEST[1], "median_step_ms"), te_step("gpt-moe", TE_BEST[1])),
@@ -1446,9 +1487,22 @@ GPU_SUITE_FIGURES: list[Figure] = [
         J(TE_EARLIER, "configurations", TE_BEST[0], "median_step_ms"),
         ratio(J(TE_EARLIER, "configurations", TE_BEST[0], "median_step_ms"), te_step("gpt-moe", TE_BEST[0])),
         median(*rounds_ratios(TE_EARLIER, *TE_BEST))),
-    fig("training.md", "`deepepv2-te-graphs` stays within {}, {} and {} of `alltoall-te-graphs` over the 20 steps (two "
-                       "`alltoall-te-graphs` runs differ by up to {}, {} and {} themselves)",
-        *te_loss_gaps("deepepv2-te-graphs", (1, 2, 3)), *te_loss_gaps("alltoall-te-graphs", (2, 3))),
+    fig("training.md", "any `deepepv2-te-graphs` run and any `alltoall-te-graphs` run\ndiffer by at most {}, {} and {} "
+                       "over the 20 steps (`gpt-moe`, `gpt-moe-large`, `qwen3-moe-router`), and two\n"
+                       "`alltoall-te-graphs` runs by up to {}, {} and {} themselves",
+        *[te_loss_spread(model, TE_SAME[0], TE_SAME[1]) for model in TE_MODELS],
+        *[te_loss_spread(model, TE_SAME[1], TE_SAME[1]) for model in TE_MODELS]),
+    fig("training.md", "at step 16 their loss is {:.3f}-{:.3f} in all three rounds, against {:.3f}-{:.3f}\nfor every "
+                       "other configuration",
+        *te_loss_range("gpt-moe-large", 16, [TE_BEST[0]]),
+        *te_loss_range("gpt-moe-large", 16, [TE_BEST[1], *TE_SAME])),
+    fig("training.md", "`deepepv2-nohostsync-te-layer-graphs` and `alltoall-syncfree-te-graphs` differ by at most "
+                       "{:.3f} (step {}) and end at\n{:.4f} against {:.4f}",
+        J(TE_NO_DROPOUT, "loss_gap", TE_BEST[0], "max_abs"), J(TE_NO_DROPOUT, "loss_gap", TE_BEST[0], "at_iteration"),
+        *[J(TE_NO_DROPOUT, "runs", {"label": label}, "last_loss") for label in TE_BEST]),
+    fig("training.md", "one run of each at\n{},", J(TE_NO_DROPOUT, "provenance", "git_commit")),
+    fig("training.md", "of one\nconfiguration with dropout on differ by up to {:.2f})",
+        calc(max, *[te_loss_spread(model, TE_SAME[1], TE_SAME[1], formatted=False) for model in TE_MODELS])),
     fig("training.md", "round 1 ends at {:.4f} against {:.4f} for `alltoall-syncfree-te-graphs` (`gpt-moe`), {:.4f} "
                        "against {:.4f} (`gpt-moe-large`) and {:.4f} against {:.4f} (`qwen3-moe-router`)",
         *[J(te_report(model), "runs", {"run": f"{label}#1"}, "last_loss") for model in TE_MODELS for label in TE_BEST]),
@@ -1458,25 +1512,16 @@ GPU_SUITE_FIGURES: list[Figure] = [
              else "not one commit on one H100",
              *[J(te_report(model), "provenance", "git_commit") for model in TE_MODELS],
              *[J(te_report(model), "machine", "devices", 0) for model in TE_MODELS])),
-    fig("training.md", row("`alltoall-syncfree-te-graphs`", "{:.1f}, {:.1f} s", "{:.1f}-{:.1f} s"),
-        *te_first_steps(TE_FIRST_STEP, TE_BEST[1], (1, 2)),
-        lowest(*te_first_steps(te_report("gpt-moe"), TE_BEST[1], (1, 2, 3))),
-        highest(*te_first_steps(te_report("gpt-moe"), TE_BEST[1], (1, 2, 3)))),
-    fig("training.md", row("`deepepv2-nohostsync-te-layer-graphs`", "{:.1f}, {:.1f} s", "{:.1f}-{:.1f} s"),
-        *te_first_steps(TE_FIRST_STEP, TE_BEST[0], (1, 2)),
-        lowest(*te_first_steps(te_report("gpt-moe"), TE_BEST[0], (1, 2, 3))),
-        highest(*te_first_steps(te_report("gpt-moe"), TE_BEST[0], (1, 2, 3)))),
-    fig("training.md", "caches costs alltoall {:.1f} s and deepepv2 {:.1f} s (medians against the warm runs): {:.1f} s "
-                       "more for deepepv2, which starts {:.1f} s sooner warm",
-        *[difference(median(*te_first_steps(TE_FIRST_STEP, label, (1, 2))),
-                     median(*te_first_steps(te_report("gpt-moe"), label, (1, 2, 3)))) for label in TE_BEST[::-1]],
-        calc(lambda cold_d, warm_d, cold_a, warm_a: (cold_d - warm_d) - (cold_a - warm_a),
-             median(*te_first_steps(TE_FIRST_STEP, TE_BEST[0], (1, 2))),
-             median(*te_first_steps(te_report("gpt-moe"), TE_BEST[0], (1, 2, 3))),
-             median(*te_first_steps(TE_FIRST_STEP, TE_BEST[1], (1, 2))),
-             median(*te_first_steps(te_report("gpt-moe"), TE_BEST[1], (1, 2, 3)))),
-        difference(median(*te_first_steps(te_report("gpt-moe"), TE_BEST[1], (1, 2, 3))),
-                   median(*te_first_steps(te_report("gpt-moe"), TE_BEST[0], (1, 2, 3))))),
+    *[fig("training.md", row(f"`{label}`", "{:.1f}, {:.1f} s", "{:.1f}, {:.1f} s"),
+          *te_first_steps(TE_FIRST_STEP, label, (1, 2)), *te_first_steps(te_report("gpt-moe"), label, WARM_ROUNDS))
+      for label in TE_BEST[::-1]],
+    fig("training.md", "Emptying the caches costs alltoall {:.1f} s and\ndeepepv2 {:.1f} s (medians): {:.1f} s more "
+                       "for deepepv2",
+        *[first_step_cost(label) for label in TE_BEST[::-1]],
+        difference(first_step_cost(TE_BEST[0]), first_step_cost(TE_BEST[1]))),
+    fig("training.md", "and it starts {:.1f} s sooner warm",
+        difference(median(*te_first_steps(te_report("gpt-moe"), TE_BEST[1], WARM_ROUNDS)),
+                   median(*te_first_steps(te_report("gpt-moe"), TE_BEST[0], WARM_ROUNDS)))),
     fig("usage.md", "the alltoall step with `TEGroupedMLP` took {:.1f}x, {:.1f}x\nand {:.1f}x the step with "
                     "`SyncFreeSequentialMLP` on `gpt-moe`, `gpt-moe-large` and `qwen3-moe-router`",
         *[ratio(te_step(model, TE_SAME[1]), te_step(model, TE_BEST[1])) for model in TE_MODELS],
@@ -1489,28 +1534,41 @@ GPU_SUITE_FIGURES: list[Figure] = [
           experts_training(model, "trace", "te_grouped_mlp", "gpu_ms"))
       for model, shape in (("gpt-moe", "64 experts, H1024, F256"), ("gpt-moe-large", "64 experts, H2048, F768"),
                            ("qwen3-moe-router", "128 experts, H1024, F384"))],
-    fig("usage.md", "its host time is\nthe cost: {:.1f} and {:.1f} ms of launches for {:.1f} and {:.1f} ms of GPU work",
-        *[experts_training(model, "trace", "te_grouped_mlp", key) for key in ("host_ms", "gpu_ms")
+    fig("usage.md", "its largest GEMM kernel launches once\nper expert: {:.0f} times a call for 64 experts, {:.0f} for "
+                    "128",
+        *[calc(lambda kernels: max(kernels, key=lambda k: k["ms"])["launches"],
+               experts_training(model, "trace", "te_grouped_mlp", "top_kernels"))
           for model in ("gpt-moe", "qwen3-moe-router")]),
+    fig("usage.md", "the call takes {:.2f} and {:.2f} ms for {:.2f} and {:.2f} ms of GPU work (traced, the host spent "
+                    "{:.2f} and {:.2f}\nms a call",
+        *[experts_training(model, *key)
+          for key in (("times_ms", "te_grouped_mlp"), ("trace", "te_grouped_mlp", "gpu_ms"),
+                      ("trace", "te_grouped_mlp", "host_ms"))
+          for model in ("gpt-moe", "qwen3-moe-router")]),
+    fig("usage.md", "{:.2f} ms\nof kernel time over its {:.0f} kernels, spread over several streams, against {:.2f} ms "
+                    "over `SyncFreeSequentialMLP`'s\n{:.0f} (its two grouped GEMMs alone, bare: {:.2f} ms)",
+        *[experts_training("gpt-moe-large", "trace", variant, key) for variant, key in
+          (("te_grouped_mlp", "gpu_ms"), ("te_grouped_mlp", "kernels"), ("sync_free_exact", "gpu_ms"),
+           ("sync_free_exact", "kernels"))],
+        experts_training("gpt-moe-large", "times_ms", "grouped_gemm_pair")),
     fig("usage.md", "one H100, TE 2.20.2, commit {},\n{}):", J(EXPERTS_TRAINING, "provenance", "git_commit"),
         calc(lambda date: date[:10], J(EXPERTS_TRAINING, "provenance", "date"))),
-    fig("usage.md", "{:.1f} ms of kernel time, spread over several streams, against {:.1f} ms for the grouped GEMMs",
-        experts_training("gpt-moe-large", "trace", "te_grouped_mlp", "gpu_ms"),
-        experts_training("gpt-moe-large", "trace", "sync_free_exact", "gpu_ms")),
     fig("usage.md", "squared ReLU it took {:.2f} ms against {:.2f} ms for `TEGroupedMLP` and {:.2f} ms for "
                     "`SyncFreeSequentialMLP`",
         *[experts_training("gpt-moe", "times_ms", variant, activation="squared_relu")
           for variant in ("te_op_fuser", "te_grouped_mlp", "sync_free_exact")]),
     fig("README.md", "3 interleaved rounds a model at {},\n{} ([JSON](docs/training_rounds_te_h100_ep1.json))",
         J(TE_SUMMARY, "provenance", "git_commit"), calc(lambda date: date[:10], J(TE_SUMMARY, "provenance", "date"))),
-    *[fig("README.md", row(f"`{model}` ({what})", "{:.1f} / {:.1f} ms, **{:.2f}x**", "{:.1f} / {:.1f} ms, {:.2f}x"),
+    *[fig("README.md", row(f"`{model}` ({what}" + "{:,} tokens)", "{:.1f} / {:.1f} ms, **{:.2f}x**",
+                           "{:.1f} / {:.1f} ms, {:.2f}x"),
+          J(te_report(model), "runs", {"run": f"{TE_BEST[0]}#1"}, "tokens_per_step"),
           te_step(model, TE_BEST[0]), te_step(model, TE_BEST[1]), median(*rounds_ratios(te_report(model), *TE_BEST)),
           te_step(model, TE_SAME[0]), te_step(model, TE_SAME[1]), median(*rounds_ratios(te_report(model), *TE_SAME)),
           named_in="training.md")
-      for model, what in (("gpt-moe", "64 experts, top-8, 4,096 tokens"), ("gpt-moe-large", "GPU-bound, 16,384 tokens"),
-                          ("qwen3-moe-router", "128 experts, top-8"))],
-    fig("README.md", "(deepepv2's step is {:.0f}-{:.0f}% GPU-busy): on an H100 where alltoall's step took {:.0f}x as "
-                     "long,\n`gpt-moe` took {:.2f}x",
+      for model, what in (("gpt-moe", "64 experts, top-8, "), ("gpt-moe-large", "GPU-bound, "),
+                          ("qwen3-moe-router", "128 experts, top-8, "))],
+    fig("README.md", "deepepv2's step is {:.0f}-{:.0f}% GPU-busy here; on an H100 where alltoall's step took {:.0f}x "
+                     "as long, `gpt-moe` took {:.2f}x",
         lowest(*[percent(te_busy(model, TE_BEST[0]), te_step(model, TE_BEST[0])) for model in TE_MODELS]),
         highest(*[percent(te_busy(model, TE_BEST[0]), te_step(model, TE_BEST[0])) for model in TE_MODELS]),
         ratio(J(TE_EARLIER, "configurations", TE_BEST[1], "median_step_ms"), te_step("gpt-moe", TE_BEST[1])),
@@ -1536,14 +1594,15 @@ GPU_SUITE_FIGURES: list[Figure] = [
           *[J(GPU_SUITE, "runs", run, key) for key in ("passed", "failed", "skipped", "make_test_s", "pytest_s",
                                                           "longest_wait_s")])
       for run, name in (("plain", "without TE, cold DeepEP JIT cache"), ("te", "with TE (JIT cache warm)"))],
-    fig("benchmarks.md", "a one-GPU functional shard compiling DeepEP's kernels on a cold JIT cache ({:.1f} s; {:.1f} s "
+    fig("benchmarks.md", "a one-GPU functional shard compiling DeepEP's kernels on a cold JIT cache ({:.1f} s; "
+                         "{:.1f} s "
                          "warm)",
-        J(GPU_SUITE, "runs", "plain", "gpu_jobs", {"test": "tests/functional/test_deepep.py::test_deepep_cases_on_one_gpu[3]"},
+        J(GPU_SUITE, "runs", "plain", "gpu_jobs", {"test": DEEPEP_SHARD_3},
           "held_s"),
-        J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": "tests/functional/test_deepep.py::test_deepep_cases_on_one_gpu[3]"},
+        J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": DEEPEP_SHARD_3},
           "held_s")),
     fig("benchmarks.md", "The TE case file ran ({:.1f} s)",
-        J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": "tests/functional/test_transformer_engine.py::test_te_cases_on_one_gpu"},
+        J(GPU_SUITE, "runs", "te", "gpu_jobs", {"test": TE_CASES},
           "held_s")),
     fig("benchmarks.md", "**With TE again, at {}** (another fresh H100, cold DeepEP JIT cache, TE installed before the "
                          "run;\n[gpu_suite_te_rerun_h100_ep1.json](gpu_suite_te_rerun_h100_ep1.json)): {} passed, {} "
