@@ -393,33 +393,36 @@ def test_megatron_dispatch_preprocess_swaps_in_megatrons_compiled_stage(monkeypa
         train_gpt.use_megatrons_dispatch_preprocess()
 
 
-def test_rounds_launch_each_model_and_variant_through_megatrons_argument_checks(tmp_path: Path, monkeypatch) -> None:
+ROUNDS_LAUNCHES = {
+    "larger-model": ("gpt-moe-large", "alltoall-syncfree-graphs", None, 0,
+                     ["SHAPE 2048 4096 4 64 768 0.01 ['moe_router', 'moe_preprocess']", "CONFIG alltoall deepep"]),
+    "128-experts": ("qwen3-moe-router", "deepepv2-nohostsync-graphs", None, 0,
+                    ["SHAPE 1024 1024 4 128 384 0.001 []", "CONFIG flex deepepv2 128 True False False local"]),
+    # The whole MoE layer (``moe``) is refused for a dropless layer by Megatron's own checks: a failed launch is
+    # reported and its log kept.
+    "refused-scope": ("gpt-moe", "alltoall-syncfree-graphs", ["moe"], 1,
+                      ["moe cuda graph is only supported with drop-padding MoE"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUNDS_LAUNCHES))
+def test_rounds_launch_each_model_and_variant_through_megatrons_argument_checks(case: str, tmp_path: Path,
+                                                                               monkeypatch) -> None:
     """``rounds`` through the example with stand-ins for torchrun and ``pretrain_gpt.py`` (Megatron's argument parsing
     and validation, then the model's config printed): the larger model and the 128-expert one get their shapes, the
     alltoall graph variant gets its capture scope past Megatron's checks, and the deepepv2 graph variant whole-layer
-    graphs; a launch that fails is reported and the rounds go on."""
+    graphs; a launch that fails is reported, its log kept and its entry written."""
+    model, variant, graph_modules, failed, expected = ROUNDS_LAUNCHES[case]
     tree, env = stand_in_launch(tmp_path, dict(__import__("os").environ))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     out = tmp_path / "runs"
-    launches = [("gpt-moe-large", "alltoall-syncfree-graphs",
-                 "SHAPE 2048 4096 4 64 768 0.01 ['moe_router', 'moe_preprocess']", "CONFIG alltoall deepep"),
-                ("qwen3-moe-router", "deepepv2-nohostsync-graphs", "SHAPE 1024 1024 4 128 384 0.001 []",
-                 "CONFIG flex deepepv2 128 True False False local")]
-    for model, variant, shape, config in launches:
-        (result,) = train_gpt.run_rounds(str(tree), model, [variant], rounds=1, steps=20, out=str(out))
-        log = (out / f"{variant}-r1.log").read_text()
-        assert result["exit"] == 0, log[-3000:]
-        assert shape in log and config in log, log[-3000:]
-    # The whole MoE layer (``moe``) is refused for a dropless layer by Megatron's own checks: a failed launch is
-    # reported and its log kept.
-    (failed,) = train_gpt.run_rounds(str(tree), "gpt-moe", ["alltoall-syncfree-graphs"], rounds=1, steps=20,
-                                     out=str(out), alltoall_graph_modules=["moe"])
-    assert failed["exit"] != 0
-    log = (out / "alltoall-syncfree-graphs-r1.log").read_text()
-    assert "moe cuda graph is only supported with drop-padding MoE" in log, log[-3000:]
-    written = json.loads((out / "rounds.json").read_text())
-    assert written["launches"] == [failed]
+    (result,) = train_gpt.run_rounds(str(tree), model, [variant], rounds=1, steps=20, out=str(out),
+                                     alltoall_graph_modules=graph_modules)
+    log = (out / f"{variant}-r1.log").read_text()
+    assert (result["exit"] != 0) == bool(failed), log[-3000:]
+    assert all(text in log for text in expected), log[-3000:]
+    assert json.loads((out / "rounds.json").read_text())["launches"] == [result]
 
 
 EXIT_SCRIPT = """
