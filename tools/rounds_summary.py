@@ -58,13 +58,15 @@ def _model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[s
             report), or None.
 
     Returns:
-        ``{"report", "trace", "machine", "commits", "configurations", "targets"}``.
+        ``{"report", "trace", "machine", "commits", "date", "configurations", "targets"}``: ``commits`` and
+        ``date`` as the report recorded them.
 
     Raises:
         ValueError: The report has no configurations or no targets, or the trace names a configuration the report
             lacks; (:func:`model_summary`) a field it reads is missing.
     """
     report = _load(report_path)
+    recorded = report.get("provenance") or {}
     if not report.get("configurations") or not report.get("targets"):
         raise ValueError(f"{report_path}: no configurations or no targets; give tools/train_gpt.py report the "
                          "runs of rounds and --target")
@@ -88,8 +90,8 @@ def _model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[s
                                         / configurations[target["baseline"]]["median_step_ms"])
         targets.append(entry)
     return {"report": report_path, "trace": trace_path, "machine": report.get("machine"),
-            "commits": report.get("provenance", {}).get("git_commits"), "configurations": configurations,
-            "targets": targets}
+            "commits": recorded.get("git_commits") or [commit for commit in [recorded.get("git_commit")] if commit],
+            "date": recorded.get("date"), "configurations": configurations, "targets": targets}
 
 
 def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
@@ -118,22 +120,21 @@ def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
                                  "every model with the same --target")
             row[model] = {"ratio": target["ratio"], "met": target["met"],
                           "gpu_floor_ratio": target.get("gpu_floor_ratio")}
-    return {"provenance": runs_provenance(models), "models": summaries, "targets": by_target}
+    return {"provenance": runs_provenance(summaries), "models": summaries, "targets": by_target}
 
 
-def runs_provenance(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
+def runs_provenance(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Where the figures come from.
 
     Args:
-        models: As :func:`summarise`.
+        summaries: :func:`model_summary` per model.
 
     Returns:
         The commits the reports recorded (``git_commit`` when they share one, else None), the latest report's date,
         and ``summarised_by``, this checkout's own provenance.
     """
-    recorded = [_load(report).get("provenance", {}) for report, _ in models.values()]
-    commits = sorted({commit for p in recorded for commit in p.get("git_commits") or [p.get("git_commit")] if commit})
-    dates = [p["date"] for p in recorded if p.get("date")]
+    commits = sorted({commit for summary in summaries.values() for commit in summary["commits"]})
+    dates = [summary["date"] for summary in summaries.values() if summary["date"]]
     return {"git_commit": commits[0] if len(commits) == 1 else None, "git_commits": commits,
             "date": max(dates) if dates else None, "summarised_by": provenance()}
 
@@ -147,10 +148,9 @@ def plot(document: dict, path: str) -> None:
         path: The PNG file.
     """
     models = document["models"]
-    fig, first = new_figure(5.0 * len(models), 4.2)
-    fig.delaxes(first)
-    for k, (model, summary) in enumerate(models.items(), start=1):
-        ax = fig.add_subplot(1, len(models), k)
+    fig, _ = new_figure(5.0 * len(models), 4.2)
+    fig.clf()
+    for ax, (model, summary) in zip(fig.subplots(1, len(models), squeeze=False)[0], models.items()):
         paired = [label for t in summary["targets"] for label in (t["baseline"], t["run"])]
         labels = list(dict.fromkeys([*paired, *summary["configurations"]]))
         for i, label in enumerate(labels):

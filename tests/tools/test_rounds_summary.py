@@ -63,10 +63,12 @@ def test_a_trace_of_another_configuration_or_a_report_without_targets_is_refused
         commits.append(tmp_path / f"{commit}.json")
         commits[-1].write_text(json.dumps({**json.loads(Path(report).read_text()),
                                            "provenance": {"git_commit": commit, "date": date}}))
-    mixed = rounds_summary.runs_provenance({"a": (str(commits[0]), None), "b": (str(commits[1]), None)})
+    mixed = rounds_summary.runs_provenance({"a": rounds_summary.model_summary(str(commits[0])),
+                                            "b": rounds_summary.model_summary(str(commits[1]))})
     assert mixed["git_commit"] is None and mixed["git_commits"] == ["0000000", "1111111"]
     assert mixed["date"].startswith("2099")
-    assert rounds_summary.runs_provenance({"a": (str(commits[0]), None)})["git_commit"] == "1111111"
+    assert rounds_summary.runs_provenance({"a": rounds_summary.model_summary(str(commits[0]))})["git_commit"] == \
+        "1111111"
     untargeted = tmp_path / "untargeted.json"
     untargeted.write_text(json.dumps({**json.loads(Path(report).read_text()), "targets": []}))
     with pytest.raises(ValueError, match="no configurations or no targets"):
