@@ -85,7 +85,8 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="sync_free_experts",
-        sources=("megatron_deepepv2/mcore/experts.py", "megatron_deepepv2/expert_kernels.py"),
+        sources=("megatron_deepepv2/mcore/experts.py", "megatron_deepepv2/mcore/expert_kernels.py",
+                 "megatron_deepepv2/kernels.py"),
         tests=_REPLAY_TESTS + ("tests/unit/test_experts.py",),
         kind="torch-op",
         notes="SyncFreeSequentialMLP: torch._grouped_mm over device-side counts and row-bounded Triton activation x "

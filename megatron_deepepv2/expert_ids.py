@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from megatron_deepepv2.expert_kernels import tl, triton
+from megatron_deepepv2.kernels import tl, triton
 from megatron_deepepv2.failures import announce_failure
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 
 from megatron_deepepv2.layout import rows_past_valid
-from megatron_deepepv2.expert_kernels import AVAILABLE as TRITON_AVAILABLE
-from megatron_deepepv2.expert_kernels import tl, triton
+from megatron_deepepv2.kernels import AVAILABLE as TRITON_AVAILABLE
+from megatron_deepepv2.kernels import tl, triton
 
 #: Values per scale.
 BLOCK = 128

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2 import buffers, expert_ids, expert_kernels, fp8, validation
+from megatron_deepepv2 import buffers, expert_ids, fp8, kernels, validation
 from megatron_deepepv2.agreement import DISPATCH_AGREEMENT, DispatchFacts, raise_on_every_rank
 from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, DispatchConfig, DispatchHandle,
                                              DispatchResult, Streams)
@@ -309,8 +309,8 @@ class CombineFunction(torch.autograd.Function):
             grad = handle.buffer.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
         if not handle.config.host_sync and handle.config.clear_tail:
             # Rows past the valid extent are unspecified: zero them, writing only those rows.
-            if expert_kernels.AVAILABLE and grad.is_cuda:
-                expert_kernels.zero_rows_from(grad, handle.num_valid_rows)
+            if kernels.AVAILABLE and grad.is_cuda:
+                kernels.zero_rows_from(grad, handle.num_valid_rows)
             else:
                 grad = grad.masked_fill(rows_past_valid(grad.shape[0], handle.num_valid_rows).unsqueeze(1), 0)
         return grad, None, None

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-from megatron_deepepv2 import expert_kernels
+from megatron_deepepv2 import kernels
+from megatron_deepepv2.mcore import expert_kernels
 from megatron_deepepv2.mcore import megatron_config
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class _ZeroRowsPastBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.mark_dirty(x)
-        return expert_kernels.zero_rows_from(x, total)
+        return kernels.zero_rows_from(x, total)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
@@ -173,7 +174,7 @@ class _ZeroGradPastBlocks(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor):
         (total,) = ctx.saved_tensors
         # The grouped GEMM's input gradient is a fresh tensor that only this op consumes: zero it in place.
-        return expert_kernels.zero_rows_from(grad.contiguous(), total), None
+        return kernels.zero_rows_from(grad.contiguous(), total), None
 
 
 class _ActivationProbs(torch.autograd.Function):
@@ -376,7 +377,7 @@ class SyncFreeSequentialMLP(SequentialMLP):
         fused = (
             self._fused_activation is not None
             and hidden.is_cuda
-            and expert_kernels.AVAILABLE
+            and kernels.AVAILABLE
             and hidden.dtype in (torch.bfloat16, torch.float16)
         )
         if fused:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core.activations import quick_gelu
 
-from megatron_deepepv2.expert_kernels import FusedActivation
+from megatron_deepepv2.mcore.expert_kernels import FusedActivation
 from tests.distributed import run_distributed
 
 HIDDEN, FFN, EXPERTS = 64, 96, 4

@@ -1,4 +1,4 @@
-"""Row-bounded elementwise kernels of the grouped-GEMM experts (Triton, CUDA only).
+"""The experts' fused activation kernels: row-bounded, elementwise (Triton, CUDA only).
 
 The experts' input can be the worst-case receive buffer of the no-host-sync mode: expert blocks first, then
 rows no expert owns. The grouped GEMMs stop at the last expert block by themselves (``offs``); these kernels
@@ -10,9 +10,10 @@ buffer, and nothing reads the count on the host.
   (:class:`FusedActivation`: SiLU, quick GELU or GELU, gated or not; gated with Megatron's clamp and linear offset,
   which GPT-OSS-style models use) times the router probability of each row, forward and backward (input gradient
   and probability gradient) in one pass each, computed in FP32.
-* :func:`zero_rows_from`: zeroes the rows past the blocks of a tensor (writes only those rows).
 
-:data:`AVAILABLE` says whether Triton can be imported; callers use these kernels for CUDA tensors only.
+Zeroing the rows past the blocks is :func:`megatron_deepepv2.kernels.zero_rows_from`, which a dispatch uses too, and
+:data:`megatron_deepepv2.kernels.AVAILABLE` says whether Triton imports; callers use these kernels for CUDA tensors
+only.
 """
 
 from __future__ import annotations
@@ -22,19 +23,7 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with every CUDA build of PyTorch on Linux
-    triton = None
-    tl = None
-
-#: Whether the Triton kernels of this module can be used (for CUDA tensors).
-AVAILABLE = triton is not None
-
-_BLOCK_ROWS = 16
-_BLOCK_COLS = 256
-
+from megatron_deepepv2.kernels import AVAILABLE, BLOCK_COLS, BLOCK_ROWS, check_rows, tl, triton
 
 #: Activation codes of the kernels (``FusedActivation.kind``).
 _ACTIVATION_CODES = {"silu": 0, "quick_gelu": 1, "gelu": 2}
@@ -154,30 +143,11 @@ if AVAILABLE:
         # One float per row, tail rows included: their probability gradient is zero.
         tl.store(grad_probs_ptr + rows, grad_prob, mask=rows < num_rows)
 
-    @triton.jit
-    def _zero_rows_from_kernel(x_ptr, total_ptr, num_rows, num_cols, row_stride,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        total = tl.load(total_ptr).to(tl.int64)
-        first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
-        if first_row + BLOCK_M <= total:
-            return
-        rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = ((rows >= total) & (rows < num_rows))[:, None] & (cols[None, :] < num_cols)
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=x_ptr.dtype.element_ty)
-        tl.store(x_ptr + rows[:, None] * row_stride + cols[None, :], zeros, mask=mask)
-
-
-def _check_rows(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dim() != 2 or tensor.stride(1) != 1:
-        raise ValueError(f"{name} must be a 2-D tensor with contiguous rows; got shape {tuple(tensor.shape)} "
-                         f"and strides {tensor.stride()}.")
-
 
 def _activation_args(activation: FusedActivation) -> dict:
     return dict(clamp=float(activation.clamp or 0.0), linear_offset=float(activation.linear_offset),
                 ACT=_ACTIVATION_CODES[activation.kind], GATED=activation.gated,
-                HAS_CLAMP=activation.clamp is not None, BLOCK_M=_BLOCK_ROWS, BLOCK_N=_BLOCK_COLS)
+                HAS_CLAMP=activation.clamp is not None, BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_COLS)
 
 
 def activation_probs_forward(fc1_out: torch.Tensor, probs: torch.Tensor, total: torch.Tensor,
@@ -193,11 +163,11 @@ def activation_probs_forward(fc1_out: torch.Tensor, probs: torch.Tensor, total: 
     Returns:
         ``[N, F]`` in ``fc1_out``'s dtype; rows from ``total`` on are left unwritten.
     """
-    _check_rows("fc1_out", fc1_out)
+    check_rows("fc1_out", fc1_out)
     num_rows = fc1_out.shape[0]
     ffn = fc1_out.shape[1] // 2 if activation.gated else fc1_out.shape[1]
     out = torch.empty((num_rows, ffn), dtype=fc1_out.dtype, device=fc1_out.device)
-    grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(ffn, _BLOCK_COLS))
+    grid = (triton.cdiv(num_rows, BLOCK_ROWS), triton.cdiv(ffn, BLOCK_COLS))
     if num_rows:
         _activation_probs_forward_kernel[grid](
             fc1_out, probs, out, total, ffn, fc1_out.stride(0), out.stride(0), **_activation_args(activation),
@@ -222,33 +192,14 @@ def activation_probs_backward(
         The gradient of ``fc1_out`` (rows from ``total`` on unwritten) and ``[N]`` fp32 gradient of ``probs`` (zero
         from ``total`` on).
     """
-    _check_rows("grad_out", grad_out)
-    _check_rows("fc1_out", fc1_out)
+    check_rows("grad_out", grad_out)
+    check_rows("fc1_out", fc1_out)
     num_rows, ffn = grad_out.shape
     grad_fc1 = torch.empty_like(fc1_out)
     grad_probs = torch.empty((num_rows,), dtype=torch.float32, device=grad_out.device)
     if num_rows:
-        _activation_probs_backward_kernel[(triton.cdiv(num_rows, _BLOCK_ROWS),)](
+        _activation_probs_backward_kernel[(triton.cdiv(num_rows, BLOCK_ROWS),)](
             grad_out, fc1_out, probs, grad_fc1, grad_probs, total, num_rows, ffn, grad_out.stride(0),
             fc1_out.stride(0), **_activation_args(activation),
         )
     return grad_fc1, grad_probs
-
-
-def zero_rows_from(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Zeroes ``x[total:]`` in place, writing only those rows.
-
-    Args:
-        x: ``[N, C]`` tensor with contiguous rows.
-        total: 1-element int tensor on the device.
-
-    Returns:
-        ``x``.
-    """
-    _check_rows("x", x)
-    num_rows, num_cols = x.shape
-    if num_rows:
-        grid = (triton.cdiv(num_rows, _BLOCK_ROWS), triton.cdiv(num_cols, _BLOCK_COLS))
-        _zero_rows_from_kernel[grid](x, total, num_rows, num_cols, x.stride(0),
-                                     BLOCK_M=_BLOCK_ROWS, BLOCK_N=_BLOCK_COLS)
-    return x
