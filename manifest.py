@@ -126,8 +126,8 @@ KERNELS: tuple[KernelEntry, ...] = (
         kind="torch-op",
     ),
     KernelEntry(
-        name="deepep_requirements",
-        sources=("megatron_deepepv2/backends/deepep/lines.py",),
+        name="deepep_build",
+        sources=("megatron_deepepv2/backends/deepep/backend.py",),
         exempt_reason="One all-reduce of a zero over the expert-parallel group before a DeepEP build, which creates the "
         "NCCL communicator DeepEP reuses: no data path.",
         kind="torch-op",

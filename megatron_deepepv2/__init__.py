@@ -15,7 +15,7 @@ Public API:
 """
 
 # The built-in backends register themselves on import (megatron_deepepv2.backends.registry).
-from megatron_deepepv2.backends.deepep import adapter as _deepep  # noqa: F401
+from megatron_deepepv2.backends.deepep import backend as _deepep  # noqa: F401
 from megatron_deepepv2.backends import reference as _reference  # noqa: F401
 from megatron_deepepv2.backends.base import DispatchConfig, DispatchHandle, DispatchResult
 from megatron_deepepv2.backends.registry import backend_names, register_backend, resolve_backend

@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_deepepv2.agreement import all_reduce_max, raise_on_every_rank, rendezvous
 from megatron_deepepv2.failures import PeerFailure, announce_failure, begin_build

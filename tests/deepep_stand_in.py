@@ -510,7 +510,7 @@ def install_deep_ep_with_handle(monkeypatch: pytest.MonkeyPatch, handle_class: O
 
 def use_stand_in_backend(line: str = "2.1") -> None:
     """Makes ``backend="deepep"`` run the adapter over a line's stand-in, on CPU tensors of any dtype (in a rank)."""
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.backends.reference import ReferenceBackend
 
     install_deep_ep(line)

@@ -565,7 +565,7 @@ def software_versions(packages: Sequence[str] = RECORDED_PACKAGES) -> dict[str, 
     import torch  # noqa: PLC0415  (not at import time: see the module docstring)
 
     if torch.cuda.is_available():
-        from megatron_deepepv2.backends.deepep.lines import runtime_nccl_version  # noqa: PLC0415
+        from megatron_deepepv2.backends.deepep.probes import runtime_nccl_version  # noqa: PLC0415
 
         loaded = runtime_nccl_version()  # not torch.cuda.nccl.version(): the NCCL torch was built with
         versions["nccl"] = ".".join(map(str, loaded)) if loaded else None

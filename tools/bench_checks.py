@@ -78,7 +78,7 @@ def measure(args: argparse.Namespace) -> dict:
     """Runs every shape; returns the JSON document."""
     import torch
 
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2 import expert_ids
     from megatron_deepepv2.expert_ids import assert_expert_ids_on_device, expert_ids_problem
     from megatron_deepepv2.validation import dispatch_inputs_problem

@@ -3,7 +3,7 @@
 Backends register themselves with :func:`register_backend` when their module is imported (the package imports the
 built-in ones); nothing else in the package branches on backend names.
 
-* ``deepep`` -- :class:`~megatron_deepepv2.backends.deepep.adapter.DeepEPBackend` over ``deep_ep.ElasticBuffer``.
+* ``deepep`` -- :class:`~megatron_deepepv2.backends.deepep.backend.DeepEPBackend` over ``deep_ep.ElasticBuffer``.
 * ``reference`` -- :class:`~megatron_deepepv2.backends.reference.ReferenceBackend` over ``torch.distributed`` (gloo or
   NCCL).
 * ``auto`` -- the usable backend of lowest :attr:`~megatron_deepepv2.backends.base.DispatchBackend.auto_preference`:

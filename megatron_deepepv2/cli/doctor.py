@@ -33,7 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping, Optional
 
-from megatron_deepepv2.backends.deepep.lines import DEEPEP_2_1, LINES, DeepEPLine, Version, parse_version, version_text
+from megatron_deepepv2.backends.deepep.lines import DEEPEP_2_1, LINES, DeepEPLine, Version
+from megatron_deepepv2.backends.deepep.probes import parse_version, version_text
 from megatron_deepepv2.backends.deepep.topology import (GIN_VARIABLE, decide_gin, find_rdma_devices, launch_num_nodes,
                                                       set_gin_variable)
 
@@ -103,13 +104,13 @@ def links_libstdcxx_dynamically(needed: list[str]) -> bool:
 def _default_nccl_version() -> Optional[tuple[int, ...]]:
     import torch  # noqa: F401,PLC0415 - loads torch's libnccl before asking it
 
-    from megatron_deepepv2.backends.deepep.lines import runtime_nccl_version  # noqa: PLC0415
+    from megatron_deepepv2.backends.deepep.probes import runtime_nccl_version  # noqa: PLC0415
 
     return runtime_nccl_version()
 
 
 def _default_mapped_nccl() -> list[str]:
-    from megatron_deepepv2.backends.deepep.lines import mapped_nccl_libraries  # noqa: PLC0415
+    from megatron_deepepv2.backends.deepep.probes import mapped_nccl_libraries  # noqa: PLC0415
 
     return mapped_nccl_libraries()
 

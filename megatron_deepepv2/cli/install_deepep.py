@@ -63,15 +63,8 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from megatron_deepepv2.backends.deepep.lines import (
-    DEEPEP_2_1,
-    LINES,
-    DeepEPLine,
-    Version,
-    line_of_source_tree,
-    source_tree_version,
-    version_text,
-)
+from megatron_deepepv2.backends.deepep.lines import DEEPEP_2_1, LINES, DeepEPLine, Version
+from megatron_deepepv2.backends.deepep.probes import line_of_source_tree, source_tree_version, version_text
 from megatron_deepepv2.cli.doctor import elf_needed_libraries, find_nvcc, links_libstdcxx_dynamically, nvcc_version
 from megatron_deepepv2.backends.deepep.topology import decide_gin, find_rdma_devices
 
@@ -88,7 +81,7 @@ _PROBE_SOURCE = ('#include <regex>\n#include <string>\n'
                  'int probe(const char* s) { return std::regex_match(std::string(s), std::regex("a+b")); }\n')
 _PYTHON_PROBE = """
 import json, torch
-from megatron_deepepv2.backends.deepep.lines import mapped_nccl_libraries, runtime_nccl_version
+from megatron_deepepv2.backends.deepep.probes import mapped_nccl_libraries, runtime_nccl_version
 out = {"nccl": runtime_nccl_version(), "mapped": mapped_nccl_libraries(), "cuda": torch.version.cuda,
        "torch": torch.__version__, "python": "%d.%d" % __import__("sys").version_info[:2]}
 if IMPORT_DEEP_EP:

@@ -66,6 +66,6 @@ def test_importing_a_tool_loads_no_other_tool_nor_megatron_nor_the_dispatch_path
     assert not other_tools & after, sorted(other_tools & after)
     added = sorted(name for name in after - package if name.startswith("megatron_deepepv2."))
     allowed = {"megatron_deepepv2.cli", module, "megatron_deepepv2.cli.doctor",
-               "megatron_deepepv2.backends.deepep.lines"}
+               "megatron_deepepv2.backends.deepep.lines", "megatron_deepepv2.backends.deepep.probes"}
     assert set(added) <= allowed, added
     assert "megatron_deepepv2.ops" not in after - package

@@ -165,7 +165,7 @@ def _deepep_usable() -> str | None:
 
     if not torch.cuda.is_available():
         return "the README's GPU blocks run on a GPU machine; no CUDA GPU here"
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 
     return DeepEPBackend.unavailable_reason()
 

@@ -170,7 +170,7 @@ def test_no_host_sync_moe_layer_replays_bit_exact() -> None:
 def _gpu_skip_reason() -> str | None:
     if torch.cuda.device_count() < 1:
         return "ElasticBuffer replays need a CUDA GPU (found none)"
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 
     return DeepEPBackend.unavailable_reason()
 

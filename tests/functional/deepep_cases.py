@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import megatron_deepepv2 as dv2  # noqa: E402
 from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 from megatron_deepepv2.layout import ExpertLayout
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.config import DeepepV2Settings  # noqa: E402
@@ -345,7 +345,7 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
     sync (a buffer built ``deterministic=True``): the valid rows, weights, compact ids and the handle's metadata,
     combine with weights and cached dispatch, bitwise, for both layouts with and without alignment, on routings with
     empty experts and -1 selections; then the autograd ops' output and both gradients, host sync against none."""
-    from megatron_deepepv2.backends.deepep.adapter import buffer_size_arguments
+    from megatron_deepepv2.backends.deepep.backend import buffer_size_arguments
 
     world, group = dist.get_world_size(), dist.group.WORLD
     hidden, experts, topk, t_max = 1024, 32, 8, 1024

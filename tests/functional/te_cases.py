@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import megatron_deepepv2 as dv2  # noqa: E402
-from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend  # noqa: E402
+from megatron_deepepv2.backends.deepep.backend import DeepEPBackend  # noqa: E402
 from megatron_deepepv2.testing.moe_model import (  # noqa: E402
     TinyMoEConfig,
     build_moe_layer,

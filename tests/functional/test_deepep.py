@@ -20,7 +20,7 @@ from tests.gpu_jobs import run_gpu_job, torchrun_command
 def skip_reason(min_gpus: int) -> str | None:
     if torch.cuda.device_count() < min_gpus:
         return f"needs >= {min_gpus} CUDA GPU(s) (found {torch.cuda.device_count()})"
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 
     return DeepEPBackend.unavailable_reason()
 

@@ -214,11 +214,11 @@ def test_recorded_nccl_is_the_library_loaded_not_the_one_torch_was_built_with(mo
     """DeepEP v2 setups load a newer NCCL than PyTorch was built with; a record names the loaded one."""
     import torch
 
-    from megatron_deepepv2.backends.deepep import lines as deepep_lines
+    from megatron_deepepv2.backends.deepep import probes
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))  # what torch was built with
-    monkeypatch.setattr(deepep_lines, "mapped_nccl_libraries", lambda: ["/stand-in/libnccl.so.2"])
+    monkeypatch.setattr(probes, "mapped_nccl_libraries", lambda: ["/stand-in/libnccl.so.2"])
 
     class LoadedNccl:
         """``ncclGetVersion`` of a loaded NCCL 2.30.7 (its code is major * 10000 + minor * 100 + patch)."""
@@ -228,6 +228,6 @@ def test_recorded_nccl_is_the_library_loaded_not_the_one_torch_was_built_with(mo
             pointer._obj.value = 23007
             return 0
 
-    monkeypatch.setattr(deepep_lines.ctypes, "CDLL", lambda path: LoadedNccl())
+    monkeypatch.setattr(probes.ctypes, "CDLL", lambda path: LoadedNccl())
     versions = _bench.software_versions(packages=("torch",))
     assert versions["nccl"] == "2.30.7", versions

@@ -313,11 +313,17 @@ def test_on_the_real_package_a_root_stands_on_the_top_floor_of_what_it_reaches(t
     assert reached >= {target for edge in report["edges"] for target in (edge["from"], edge["to"])}
 
 
-#: Where a dispatch starts: the Megatron manager, and the DeepEP adapter that makes its calls (no other module of the
-#: package imports it: the package's top module registers it).
+#: Where a dispatch starts: the Megatron manager, and the DeepEP adapter that makes DeepEP's calls over a built buffer
+#: (its build is the registered subclass's, ``backends.deepep.backend``, which the package's top module imports).
 DISPATCH_ROOTS = "mcore.manager,backends.deepep.adapter"
 #: The most code lines (not blank, not only a comment, not a docstring) the modules a dispatch reaches may hold.
-DISPATCH_CODE_LINES = 2_298
+DISPATCH_CODE_LINES = 1_914
+#: What only DeepEP's buffer build reaches: no dispatch imports it (nor DeepEP's buffer arithmetic, ``sizing``, which
+#: only the tests and tools read).
+DEEPEP_BUILD = ("backends.deepep.backend", "backends.deepep.lines", "backends.deepep.probes",
+                "backends.deepep.topology")
+#: The most code lines the DeepEP build reaches beyond what a dispatch reaches.
+DEEPEP_BUILD_CODE_LINES = 397
 
 
 def _reached(roots: str, tmp_path: Path, capsys: pytest.CaptureFixture, *limits: str) -> list[str]:
@@ -335,10 +341,27 @@ def test_what_a_dispatch_reaches_stays_flat_one_way_and_short(tmp_path, capsys):
     reached = _reached(DISPATCH_ROOTS, tmp_path, capsys, "--max-floors", "7", "--max-arrows-up", "0")
     assert {"mcore.manager", "ops", "buffers", "validation", "agreement", "failures", "groups", "backends.base",
             "backends.deepep.adapter"} <= set(reached), reached
+    assert not {*DEEPEP_BUILD, "backends.deepep.sizing"} & set(reached), reached
+    assert _code_lines(reached, tmp_path) <= DISPATCH_CODE_LINES
+
+
+def _code_lines(modules: list[str], tmp_path: Path) -> int:
+    """The code lines of ``modules``, summed (the tool's ``--modules``)."""
     out = tmp_path / "lines.json"
-    assert import_graph.main(["--modules", ",".join(reached), "--json", str(out)]) == 0
+    assert import_graph.main(["--modules", ",".join(modules), "--json", str(out)]) == 0
     counts = json.loads(out.read_text())["line_counts"]
-    assert counts["sum"]["code"] <= DISPATCH_CODE_LINES, counts
+    assert set(counts["modules"]) == set(modules), counts
+    return counts["sum"]["code"]
+
+
+def test_the_deepep_build_stands_apart_from_the_dispatch_and_is_counted_too(tmp_path, capsys):
+    """The registered DeepEP backend builds the buffer over the adapter: it reaches every module of the build
+    (:data:`DEEPEP_BUILD`), which no dispatch reaches, and at most :data:`DEEPEP_BUILD_CODE_LINES` code lines beyond
+    what a dispatch reaches."""
+    dispatch = set(_reached(DISPATCH_ROOTS, tmp_path, capsys))
+    build = _reached("backends.deepep.backend", tmp_path, capsys, "--max-arrows-up", "0")
+    assert {"backends.deepep.adapter", *DEEPEP_BUILD} <= set(build), build
+    assert _code_lines([name for name in build if name not in dispatch], tmp_path) <= DEEPEP_BUILD_CODE_LINES
 
 
 #: The command-line tools: the cli subpackage.

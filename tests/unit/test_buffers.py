@@ -240,7 +240,7 @@ def test_what_the_ranks_agree_on_is_the_contracts_then_the_backends_own() -> Non
     its buffer) is part of the DeepEP backend's key and no other's; a spec without a backend has the contract's
     alone; a new backend adds its own fields the same way."""
     from megatron_deepepv2.backends.base import BUILD_AGREEMENT, BufferSpec, DispatchBackend
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
     from megatron_deepepv2.agreement import AgreedField

@@ -26,7 +26,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     stand_in = STAND_INS[line][1]
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig, Streams
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
@@ -124,7 +124,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
     from megatron_deepepv2 import ops
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig, Streams
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.backends.reference import ReferenceBackend
     from megatron_deepepv2.config import DeepepV2Settings
@@ -165,7 +165,7 @@ def test_adapter_plumbing_against_strict_stand_in(line: str) -> None:
 
 
 def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2.backends.deepep.adapter import import_deep_ep
+    from megatron_deepepv2.backends.deepep.probes import import_deep_ep
 
     v1 = types.ModuleType("deep_ep")
     v1.__version__ = "1.2.1"
@@ -180,7 +180,7 @@ def _caller_reuses_topk_idx(rank: int, world: int) -> str:
     next replay of a CUDA graph refills its static inputs) must not change the routing of a pending combine."""
     install_deep_ep("V2.5")
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.backends.reference import ReferenceBackend
 
     spec, config = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=16), DispatchConfig(DeepEPBackend)
@@ -217,7 +217,7 @@ def _backend_order_worker(rank: int, world: int, line: str) -> int:
     weights, compact ids, a cached dispatch, and a combine with weights of distinct rows, against the dense oracle."""
     use_stand_in_backend(line)
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 
@@ -343,7 +343,7 @@ def test_deterministic_mode_through_the_autograd_ops_is_the_same_with_and_withou
 def _scrambled_worker(rank: int, world: int, line: str) -> None:
     use_stand_in_backend(line)
     from megatron_deepepv2.backends.base import BufferSpec, DispatchConfig
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 

@@ -96,7 +96,7 @@ def test_dispatch_config_resolved_once_and_foreign_weight_mask_optional() -> Non
 
 
 def test_dispatch_config_runs_the_backend_mode_checks_when_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from tests.deepep_stand_in import EPHandle, install_deep_ep_with_handle
 
     class HandleWithoutMetadata:  # a DeepEP whose handle keeps none of what the sync-free order reads

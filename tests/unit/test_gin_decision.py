@@ -114,7 +114,7 @@ def _gin_at_build(rank: int, world: int, nodes: Optional[list[str]], nics: list[
     import sys
 
     from megatron_deepepv2.backends.base import BufferSpec
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from tests.deepep_stand_in import group_of, use_stand_in_backend
 
     os.environ.pop(GIN_VARIABLE, None)

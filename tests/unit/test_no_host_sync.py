@@ -155,7 +155,7 @@ def test_no_host_sync_setting_from_environment() -> None:
 def test_deepep_takes_no_host_sync_with_deterministic_where_its_handle_allows(monkeypatch) -> None:
     """Deterministic mode without host sync resolves on DeepEP when the installed handle exposes what the order reads,
     and is refused, naming it, when it does not."""
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 
     monkeypatch.setattr(DeepEPBackend, "deterministic_order_unavailable_reason", classmethod(
         lambda cls, host_sync: None if host_sync else "EPHandle does not expose recv_src_metadata."))

@@ -12,10 +12,10 @@ import torch
 
 import megatron_deepepv2 as dv2
 from megatron_deepepv2.backends import registry
-from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.backends.registry import register_backend, resolve_backend
-from megatron_deepepv2.backends.deepep.adapter import import_deep_ep
+from megatron_deepepv2.backends.deepep.probes import import_deep_ep
 from megatron_deepepv2.config import OTHER_VARIABLES, REMOVED_VARIABLES, DeepepV2Settings, setting_variables
 from tests.git_checkout import not_own_checkout
 

@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from megatron_deepepv2.backends.deepep.adapter import buffer_size_arguments
+from megatron_deepepv2.backends.deepep.backend import buffer_size_arguments
 from megatron_deepepv2.backends.deepep.sizing import (
     BUFFER_ALIGNMENT,
     Topology,
@@ -120,8 +120,8 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     import torch.distributed as dist
 
     from megatron_deepepv2.backends.base import BufferSpec
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
-    from megatron_deepepv2.backends.deepep import adapter
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
+    from megatron_deepepv2.backends.deepep import backend
     from megatron_deepepv2 import groups
     from megatron_deepepv2.config import DeepepV2Settings
 
@@ -135,7 +135,7 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     module.ElasticBuffer = Recorder
     module.__version__ = "2.1.0-fake"
     monkeypatch.setitem(sys.modules, "deep_ep", module)
-    monkeypatch.setattr(adapter, "ensure_nccl_communicator", lambda group: None)
+    monkeypatch.setattr(backend, "ensure_nccl_communicator", lambda group: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: list(range(8)))

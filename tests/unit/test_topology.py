@@ -155,9 +155,9 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
 
     import torch
 
-    from megatron_deepepv2.backends.deepep import lines as deepep_lines, topology
+    from megatron_deepepv2.backends.deepep import backend as deepep_backend, topology
     from megatron_deepepv2.backends.base import BufferSpec
-    from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+    from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
     from megatron_deepepv2.config import DeepepV2Settings
     from tests.deepep_stand_in import group_of, use_stand_in_backend
 
@@ -171,7 +171,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
     spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=8,
                       settings=DeepepV2Settings(allow_hybrid_mode=setting))
     warned: list[str] = []
-    deepep_lines.logger.warning = lambda message, *args: warned.append(message)
+    deepep_backend.logger.warning = lambda message, *args: warned.append(message)
     backend = DeepEPBackend(group_of(), spec)
     try:
         return backend.ep_buffer.ctor["allow_hybrid_mode"], any("hybrid mode" in message for message in warned)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megatron_deepepv2 as dv2
-from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend
+from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 from megatron_deepepv2.layout import ExpertLayout
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.validation import dispatch_inputs_problem

@@ -154,7 +154,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     from megatron_deepepv2.config import get_settings  # noqa: PLC0415
 
     if get_settings().backend == "deepep":
-        from megatron_deepepv2.backends.deepep.adapter import DeepEPBackend  # noqa: PLC0415
+        from megatron_deepepv2.backends.deepep.backend import DeepEPBackend  # noqa: PLC0415
 
         reason = DeepEPBackend.unavailable_reason()
         if reason:

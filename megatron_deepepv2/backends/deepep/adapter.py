@@ -1,98 +1,75 @@
-"""DeepEP v2 backend: the backend contract over ``deep_ep``'s ``EPBuffer`` (V2.5) or ``ElasticBuffer`` (2.1).
+"""DeepEP's calls for the backend contract: :class:`DeepEPAdapter` runs each dispatch, cached dispatch and combine as
+one call of a built DeepEP buffer (``EPBuffer`` of V2.5, ``ElasticBuffer`` of 2.1) and reads the counts off its handle.
 
-:class:`~.lines.DeepEPLine` holds what differs between the lines; :meth:`DeepEPBackend._kwargs` is the one place a
-setting becomes a DeepEP call argument, :meth:`DeepEPBackend._call` the one way a call is made.
+What a dispatch runs is this module; building the buffer (the import and its checks, the NCCL communicator, direct or
+hybrid mode, GIN, the size) is :class:`~.backend.DeepEPBackend`'s, the registered subclass. :class:`~.lines.DeepEPLine`
+holds what differs between the lines; :meth:`DeepEPAdapter._kwargs` is the one place a setting becomes a DeepEP call
+argument, :meth:`DeepEPAdapter._call` the one way a call is made, under :func:`fill_guard`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
-from megatron_deepepv2.backends.registry import register_backend
-from megatron_deepepv2.backends.deepep.lines import (deepep_unavailable_reason, ensure_nccl_communicator, fill_guard,
-                                            handle_order_unavailable_reason, import_deep_ep, line_of_module,
-                                            log_buffer_built)
-from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
 from megatron_deepepv2.backends.deepep.receive_order import order_received
-from megatron_deepepv2.backends.deepep.topology import HYBRID_MODE_FIELD, choose_hybrid_mode, set_gin_variable_for_group
+from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split_hidden
+
+if TYPE_CHECKING:
+    from megatron_deepepv2.backends.deepep.lines import DeepEPLine
 
 logger = logging.getLogger(__name__)
 
 
-def buffer_size_arguments(num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> dict[str, Any]:
-    """The sizing keyword arguments the DeepEP backend passes the buffer constructor: the one place a buffer's size
-    is decided.
+class _FillOff:
+    """Turns ``torch.utils.deterministic.fill_uninitialized_memory`` off for a block, then restores it."""
 
-    ``use_fp8_dispatch`` is always False: a training step sends BF16 rows through every buffer (combine's backward
-    is a cached dispatch of the BF16 gradient), so an FP8-sized buffer fails that call once ``G * T_max`` rows of
-    BF16 outgrow the combine layout. A BF16-sized buffer fits every call (:func:`~.sizing.call_bytes`, the arithmetic
-    that checks this choice).
+    def __enter__(self) -> None:
+        self.was_fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
 
-    Args:
-        num_max_tokens_per_rank: Token limit ``T_max``.
-        hidden: Hidden size ``H``.
-        num_topk: Top-k ``K``.
-
-    Returns:
-        ``num_max_tokens_per_rank``, ``hidden``, ``num_topk`` and ``use_fp8_dispatch`` for the constructor.
-    """
-    return {"num_max_tokens_per_rank": num_max_tokens_per_rank, "hidden": hidden, "num_topk": num_topk,
-            "use_fp8_dispatch": False}
+    def __exit__(self, *exc_info: Any) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self.was_fill
 
 
-@register_backend
-class DeepEPBackend(DispatchBackend):
-    """Dispatch/combine over DeepEP v2's buffer (NVLink; NCCL GIN across nodes).
+_FILL_OFF, _NO_GUARD = _FillOff(), contextlib.nullcontext()
+
+
+def fill_guard() -> contextlib.AbstractContextManager:
+    """The context of every DeepEP call: the fill off while deterministic algorithms are on, as DeepEP asserts (the
+    fill kernels could overlap its communication; nothing here reads uninitialised rows); else nothing."""
+    return _FILL_OFF if torch.are_deterministic_algorithms_enabled() else _NO_GUARD
+
+
+class DeepEPAdapter(DispatchBackend):
+    """Dispatch/combine over a built DeepEP v2 buffer (NVLink; NCCL GIN across nodes).
 
     Args:
         group: NCCL process group of the expert-parallel ranks.
-        spec: Buffer shape key; ``num_max_tokens_per_rank`` must be the same on every rank.
-
-    Raises:
-        ImportError: ``deep_ep`` does not import.
+        spec: What the buffer was built for.
+        ep_buffer: DeepEP's buffer, built on ``group`` for ``spec``; :meth:`destroy` destroys it.
+        line: The DeepEP line the buffer belongs to.
     """
 
-    name: ClassVar[str] = "deepep"
-    auto_preference: ClassVar[int] = 0
     limits: ClassVar[BackendLimits] = BackendLimits(
         dispatch_dtypes=(torch.bfloat16,), combine_dtypes=(torch.bfloat16,),
         combine_hidden_multiple=256,  # combine kernel static assert kHidden % 256
         fp8_hidden_multiple=32, max_topk=32, requires_cuda=True)  # FP8: TMA needs hidden bytes % 32
-    extra_agreement = (HYBRID_MODE_FIELD,)  # construction arguments from the settings
 
-    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
+    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec, ep_buffer: Any, line: DeepEPLine) -> None:
         super().__init__(group, spec)
-        deep_ep = import_deep_ep()
-        self.line = line_of_module(deep_ep)
+        self.ep_buffer, self.line = ep_buffer, line
         self._call_kwargs: dict[tuple, dict[str, Any]] = {}  # see _kwargs
-        ensure_nccl_communicator(group)  # before DeepEP reads it
-        allow_hybrid, why = choose_hybrid_mode(group, spec.settings.allow_hybrid_mode)
-        set_gin_variable_for_group(group)  # DeepEP reads EP_DISABLE_GIN when the buffer is built: decided before
-        buffer_class = getattr(deep_ep, self.line.buffer_class)
-        # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
-        self.ep_buffer = buffer_class(
-            group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
-            deterministic=False, allow_hybrid_mode=allow_hybrid,  # deterministic mode: receive_order sorts
-            allow_multiple_reduction=True, explicitly_destroy=True)  # multiple reduction: expand combine with weights
-        log_buffer_built(self.line, allow_hybrid, why)
 
     @property
     def num_bytes(self) -> int:
         return self.ep_buffer.num_bytes if self.ep_buffer is not None else 0
-
-    @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
-        return deepep_unavailable_reason()  # cached: the probes (import, NCCL query) are slow
-
-    @classmethod
-    def deterministic_order_unavailable_reason(cls, host_sync: bool) -> Optional[str]:
-        return handle_order_unavailable_reason(host_sync)
 
     def _kwargs(self, kind: str, config: DispatchConfig, num_experts: int, streams: Streams) -> dict[str, Any]:
         """DeepEP's keyword arguments of one kind of call (``fresh``, ``cached`` or ``combine``), built once per key.
@@ -124,7 +101,7 @@ class DeepEPBackend(DispatchBackend):
         return kwargs
 
     def _call(self, method: Any, streams: Streams, *args: Any, **kwargs: Any) -> tuple:
-        """One call of the DeepEP buffer's ``method`` (``dispatch`` or ``combine``), under :func:`~.lines.fill_guard`,
+        """One call of the DeepEP buffer's ``method`` (``dispatch`` or ``combine``), under :func:`fill_guard`,
         with the previous event DeepEP accepts only with ``allocate_on_comm_stream``; in async mode the current stream
         is made to wait for it (DeepEP asserts against that wait in sync mode).
 

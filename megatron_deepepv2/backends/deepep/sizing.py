@@ -5,7 +5,7 @@ its dispatch and combine layouts, rounded up to 2 MiB) and, on **every** call, a
 that call (its token limit, hidden size, scale packs, top-k and element size) fits the buffer. A buffer built for
 FP8 dispatch is sized for 1-byte rows, but combine's backward is a BF16 *cached* dispatch through the same buffer; so
 the backend sizes for BF16 whatever the dispatch dtype
-(:func:`~megatron_deepepv2.backends.deepep.adapter.buffer_size_arguments`), which also fits every FP8
+(:func:`~megatron_deepepv2.backends.deepep.backend.buffer_size_arguments`), which also fits every FP8
 dispatch (its rows are never larger than BF16 ones: DeepEP asserts ``4 * ceil(H / 32) <= H``).
 
 This module reproduces the arithmetic (``csrc/elastic/buffer.hpp`` ``get_dispatch_buffer_size`` /
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from megatron_deepepv2 import fp8
 from megatron_deepepv2.layout import ExpertLayout, align_up, receive_bound_rows, worst_case_recv_rows
