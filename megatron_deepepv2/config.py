@@ -130,12 +130,11 @@ class DeepepV2Settings:
             ValueError: If a variable holds a value its field cannot take.
         """
         environ = os.environ if environ is None else environ
-        types = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
+        for f, kind, optional in _field_kinds(cls):
             for variable in _variables(f):
                 if variable in environ:
-                    value = _parse_env_value(variable, environ[variable], types[f.name])
+                    value = _parse_env_value(variable, environ[variable], kind, optional)
                     values[f.name] = (not value) if f.metadata.get("inverted") else value
                     break
         _warn_unread_variables(environ)
@@ -147,13 +146,13 @@ def _rejected(label: str, value: Any, accepted: str, how: str) -> ValueError:
     return ValueError(f"{label}={value!r} {accepted}; got {type(value).__name__}.{' ' + how if how else ''}")
 
 
-def checked_bool(label: str, value: Any, *, optional: bool = False, how: str = "") -> Optional[bool]:
-    """Returns ``value`` if it is a real bool (or None for an ``optional`` field).
+def checked_bool(label: str, value: Any, *, optional: bool = False, how: str = "") -> bool:
+    """Returns ``value`` if it is a real bool.
 
     Args:
         label: The field, as ``Owner.field``, for the error.
         value: The value given.
-        optional: Whether None is accepted.
+        optional: Whether the field also takes None, for the error (:func:`checked_value` returns None itself).
         how: How to set the field (and what its values mean), for the error.
 
     Returns:
@@ -162,14 +161,14 @@ def checked_bool(label: str, value: Any, *, optional: bool = False, how: str = "
     Raises:
         ValueError: For anything else, strings and the ints 0 and 1 included.
     """
-    if isinstance(value, bool) or (optional and value is None):
+    if isinstance(value, bool):
         return value
     raise _rejected(label, value, "must be True, False or None" if optional else "must be True or False", how)
 
 
-def checked_int(label: str, value: Any, *, minimum: int, optional: bool = False, how: str = "") -> Optional[int]:
+def checked_int(label: str, value: Any, *, minimum: int, optional: bool = False, how: str = "") -> int:
     """Returns ``value`` as an int if it is an integer (an int or what ``operator.index`` takes, not a bool) of at
-    least ``minimum`` (or None for an ``optional`` field).
+    least ``minimum``.
 
     Args:
         label, optional, how: As :func:`checked_bool`.
@@ -177,13 +176,11 @@ def checked_int(label: str, value: Any, *, minimum: int, optional: bool = False,
         minimum: The smallest value accepted.
 
     Returns:
-        ``value`` as an int, or None.
+        ``value`` as an int.
 
     Raises:
         ValueError: For a bool, a float, a string or another non-integer, or an integer below ``minimum``.
     """
-    if optional and value is None:
-        return None
     if not isinstance(value, bool):
         try:
             number = operator.index(value)
@@ -279,7 +276,8 @@ def checked_instance(label: str, value: Any, kind: Any, *, how: str = "") -> Any
     raise _rejected(label, value, f"must be a {kind.__name__}", how)
 
 
-def checked_value(label: str, value: Any, kind: Any, metadata: typing.Mapping[str, Any], how: str = "") -> Any:
+def checked_value(label: str, value: Any, kind: Any, optional: bool, metadata: typing.Mapping[str, Any],
+                  how: str = "") -> Any:
     """Checks ``value`` against a field's annotation ``kind`` and ``metadata`` (``choices``, ``minimum``, ``note``)
     with the helper of its kind of value: bool, integer, positive number, choice (an enum, or ``choices``), name
     (``str``), or class.
@@ -287,7 +285,8 @@ def checked_value(label: str, value: Any, kind: Any, metadata: typing.Mapping[st
     Args:
         label: The field, as ``Owner.field``.
         value: The value given.
-        kind: The field's resolved annotation (``Optional[X]`` also takes None).
+        kind: The field's resolved annotation (``X`` of an ``Optional[X]``).
+        optional: Whether the field is ``Optional[X]``: it also takes None.
         metadata: The field's metadata; its ``note`` (what the values mean) follows ``how`` in the error.
         how: How to set the field, for the error.
 
@@ -297,11 +296,8 @@ def checked_value(label: str, value: Any, kind: Any, metadata: typing.Mapping[st
     Raises:
         ValueError: For a value the field does not accept.
     """
-    optional = type(None) in typing.get_args(kind)
-    if optional:
-        if value is None:
-            return None
-        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if optional and value is None:
+        return None
     hint = ": ".join(part for part in (how, metadata.get("note", "")) if part)
     how = hint + "." if hint else ""
     if "choices" in metadata or (isinstance(kind, type) and issubclass(kind, enum.Enum)):
@@ -318,10 +314,17 @@ def checked_value(label: str, value: Any, kind: Any, metadata: typing.Mapping[st
 
 
 @functools.lru_cache(maxsize=None)
-def _field_kinds(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
-    """Each field of the dataclass ``cls`` with its resolved annotation, the one source of its type."""
+def _field_kinds(cls: type) -> tuple[tuple[dataclasses.Field, Any, bool], ...]:
+    """Each field of the dataclass ``cls`` with its resolved annotation (``X`` of ``Optional[X]``) and whether it is
+    optional: the one source of its type."""
     hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
+    return tuple((f, *_without_none(hints[f.name])) for f in dataclasses.fields(cls))
+
+
+def _without_none(kind: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``Optional[X]``, else ``(kind, False)``."""
+    args = typing.get_args(kind)
+    return (next(arg for arg in args if arg is not type(None)), True) if type(None) in args else (kind, False)
 
 
 def check_fields(instance: Any, how: Callable[[dataclasses.Field], str]) -> None:
@@ -335,9 +338,9 @@ def check_fields(instance: Any, how: Callable[[dataclasses.Field], str]) -> None
         ValueError: For the first field whose value it does not accept, naming it as ``Class.field``.
     """
     owner = type(instance).__name__
-    for f, kind in _field_kinds(type(instance)):
+    for f, kind, optional in _field_kinds(type(instance)):
         value = getattr(instance, f.name)
-        converted = checked_value(f"{owner}.{f.name}", value, kind, f.metadata, how(f))
+        converted = checked_value(f"{owner}.{f.name}", value, kind, optional, f.metadata, how(f))
         if converted is not value:
             object.__setattr__(instance, f.name, converted)
 
@@ -380,14 +383,11 @@ def _warn_unread_variables(environ: typing.Mapping[str, str]) -> None:
                        closest[0])
 
 
-def _parse_env_value(variable: str, raw: str, kind: Any) -> Any:
-    """``raw`` as a value of the field type ``kind`` (``Optional[X]``: empty or ``auto`` is None)."""
+def _parse_env_value(variable: str, raw: str, kind: Any, optional: bool) -> Any:
+    """``raw`` as a value of the field type ``kind`` (an ``optional`` one: empty or ``auto`` is None)."""
     text = raw.strip().lower()
-    optional = type(None) in typing.get_args(kind)
-    if optional:
-        if text in ("", "auto"):
-            return None
-        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if optional and text in ("", "auto"):
+        return None
     if kind is bool:
         if text in _TRUE:
             return True
@@ -404,6 +404,8 @@ def _parse_env_value(variable: str, raw: str, kind: Any) -> Any:
 
 
 _settings: Optional[DeepepV2Settings] = None
+#: The names of the settings.
+SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(DeepepV2Settings))
 
 
 def get_settings() -> DeepepV2Settings:
@@ -427,10 +429,9 @@ def configure(**changes: Any) -> DeepepV2Settings:
         TypeError: If a name is not a settings field.
     """
     global _settings
-    known = {f.name for f in dataclasses.fields(DeepepV2Settings)}
-    unknown = sorted(set(changes) - known)
+    unknown = sorted(set(changes) - SETTING_NAMES)
     if unknown:
-        raise TypeError(f"Unknown deepepv2 setting(s) {unknown}; known settings: {sorted(known)}.")
+        raise TypeError(f"Unknown deepepv2 setting(s) {unknown}; known settings: {sorted(SETTING_NAMES)}.")
     _settings = dataclasses.replace(get_settings(), **changes)
     return _settings
 

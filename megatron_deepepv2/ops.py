@@ -18,13 +18,12 @@ from megatron_deepepv2.agreement import DISPATCH_AGREEMENT, DispatchFacts, raise
 from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, DispatchConfig, DispatchHandle,
                                              DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import resolve_backend
-from megatron_deepepv2.config import DeepepV2Settings, get_settings
+from megatron_deepepv2.config import SETTING_NAMES, DeepepV2Settings, get_settings
 from megatron_deepepv2.groups import state_of
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, rows_past_valid, split_hidden
 
 #: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` a caller sets beside the settings.
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(DispatchConfig)) - {"settings"}
-_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(DeepepV2Settings))
 #: Arguments that are gone, and why.
 _REMOVED_ARGUMENTS = {"zero_padding": "the expand layout's padding rows are always zero; drop it"}
 
@@ -45,13 +44,13 @@ def resolve_config(**overrides: Any) -> DispatchConfig:
         ImportError: An explicitly named backend cannot run here.
     """
     overrides = {name: value for name, value in overrides.items() if value is not None}
-    unknown = sorted(set(overrides) - _CONFIG_FIELDS - _SETTING_FIELDS)
+    unknown = sorted(set(overrides) - _CONFIG_FIELDS - SETTING_NAMES)
     if unknown:
         removed = "".join(f" {name}: {_REMOVED_ARGUMENTS[name]}." for name in unknown if name in _REMOVED_ARGUMENTS)
-        raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_CONFIG_FIELDS | _SETTING_FIELDS)}."
+        raise TypeError(f"Unknown dispatch setting(s) {unknown}; known: {sorted(_CONFIG_FIELDS | SETTING_NAMES)}."
                         + removed)
     # ``backend`` is both: the setting names the backend, the configuration holds the class that runs.
-    changes = {name: overrides.pop(name) for name in list(overrides) if name in _SETTING_FIELDS and name != "backend"}
+    changes = {name: overrides.pop(name) for name in list(overrides) if name in SETTING_NAMES and name != "backend"}
     settings = dataclasses.replace(get_settings(), **changes) if changes else get_settings()
     backend = overrides.pop("backend", settings.backend)
     layout = ExpertLayout.parse(overrides.pop("layout", ExpertLayout.COMPACT))
@@ -192,18 +191,14 @@ class Dispatcher:
             TypeError, ValueError: ``problem``, or with ``validate`` a peer's (each rank raises together).
         """
         settings = self.config.settings
-        if not settings.validate:
-            if problem is not None:
-                raise_on_every_rank(problem, self.state, agree=False)
-            return num_tokens
         values = ()
-        if problem is None:  # a rank with a problem sends zeros
+        if problem is None:  # called with validate (a rank with a problem sends zeros)
             data, scales = split_hidden(x)
             facts = DispatchFacts(dtype=data.dtype, hidden=data.shape[1], num_topk=topk_idx.shape[1],
                                   fp8=scales is not None or settings.fp8_dispatch, num_sms=settings.num_sms)
             values = [agreed.encode(facts) for agreed in DISPATCH_AGREEMENT]
-        return raise_on_every_rank(problem, self.state, agree=True, num_tokens=num_tokens, fields=DISPATCH_AGREEMENT,
-                                   values=values)
+        return raise_on_every_rank(problem, self.state, agree=settings.validate, num_tokens=num_tokens,
+                                   fields=DISPATCH_AGREEMENT, values=values)
 
 
 def _masked_routing(handle: DispatchHandle, recv_idx: Optional[torch.Tensor],
@@ -294,7 +289,7 @@ class CombineFunction(torch.autograd.Function):
             checked = state.checked_inputs
             key = (handle.config, x.shape[1], x.dtype, x.device) if type(x) is torch.Tensor and x.dim() == 2 else None
             if key is None or key not in checked or x.shape[0] != handle.num_recv_rows or validate:
-                problem = validation.combine_inputs_problem(x, handle, None)
+                problem = validation.combine_inputs_problem(x, handle)
                 if problem is not None or validate:
                     raise_on_every_rank(problem, state, agree=validate)
                 if key is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from megatron_deepepv2.fp8 import BLOCK as FP8_BLOCK
-from megatron_deepepv2.layout import ExpertLayout, split_hidden
+from megatron_deepepv2.layout import split_hidden
 
 if TYPE_CHECKING:
     from megatron_deepepv2.backends.base import BackendLimits, DispatchHandle
@@ -165,14 +165,12 @@ def not_a_handle_error(handle: Any) -> TypeError:
     return TypeError(f"handle must be the DispatchHandle returned by dispatch; got {type(handle).__name__}.")
 
 
-def combine_inputs_problem(x: torch.Tensor, handle: "DispatchHandle",
-                           topk_weights: Optional[torch.Tensor]) -> Optional[Exception]:
+def combine_inputs_problem(x: torch.Tensor, handle: "DispatchHandle") -> Optional[Exception]:
     """Checks combine arguments against the handle of the dispatch being reversed (its backend's limits apply).
 
     Args:
         x: ``[handle.num_recv_rows, H]`` rows in one of the backend's combine dtypes.
         handle: The dispatch's handle.
-        topk_weights: fp32 ``[rows]`` (expand) or ``[rows, K]`` (compact), or None.
 
     Returns:
         A ``TypeError`` or ``ValueError`` describing the first problem, or None.
@@ -190,9 +188,5 @@ def combine_inputs_problem(x: torch.Tensor, handle: "DispatchHandle",
     if x.shape[1] % limits.combine_hidden_multiple:
         return ValueError(f"combine hidden={x.shape[1]} is not a multiple of {limits.combine_hidden_multiple}, which "
                           "this backend requires.")
-    expected = (rows,) if handle.config.layout is ExpertLayout.EXPAND else (rows, handle.num_topk)
-    if topk_weights is not None and (topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != expected):
-        return ValueError(f"combine topk_weights must be float32 of shape {expected}; got {topk_weights.dtype} "
-                          f"{tuple(topk_weights.shape)}.")
     return None
 

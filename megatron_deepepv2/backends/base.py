@@ -14,7 +14,7 @@ device, the rest unspecified. Every call returns with the current stream ordered
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import Field, dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
@@ -58,8 +58,7 @@ class DispatchConfig:
         check_fields(self, _how_to_set_config_field)
         self.check()
         # A configuration keys the backend's per-call argument cache on every call: hash it once.
-        object.__setattr__(self, "_hash", hash((self.backend, self.settings, self.layout, self.expert_alignment,
-                                                self.mask_foreign_weights, self.clear_tail)))
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
 
     def check(self) -> None:
         """Checks what depends on several fields (each field was checked as it was built, its settings too).

@@ -14,7 +14,6 @@ from megatron.core.transformer.moe.token_dispatcher import _DispatchManager
 
 from megatron_deepepv2 import ops
 from megatron_deepepv2.backends.base import SYNC, DispatchConfig, DispatchHandle
-from megatron_deepepv2.config import get_settings
 from megatron_deepepv2.layout import ExpertLayout, receive_bound_rows
 from megatron_deepepv2.mcore import bounded_receive, megatron_config
 
@@ -42,11 +41,10 @@ def dispatch_config_for(config: Any) -> DispatchConfig:
     resolved = getattr(config, "_deepepv2_dispatch_config", None)
     if resolved is not None:
         return resolved
-    settings = get_settings()
-    resolved = ops.resolve_config(
+    resolved = ops.resolve_config(  # None leaves the process-wide setting
         layout=ExpertLayout.EXPAND, expert_alignment=megatron_config.alignment_for(config),
-        num_sms=megatron_config.configured_num_sms(config) or settings.num_sms,
-        deterministic=settings.deterministic or bool(getattr(config, "deterministic_mode", False)),
+        num_sms=megatron_config.configured_num_sms(config) or None,
+        deterministic=bool(getattr(config, "deterministic_mode", False)) or None,
         check_ids=False, mask_foreign_weights=False, clear_tail=False)
     if resolved.settings.fp8_dispatch:
         megatron_config.check_fp8_model(config)
