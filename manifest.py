@@ -63,10 +63,12 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="deepep_backend",
-        sources=("megatron_deepepv2/backends/deepep/adapter.py",),
+        sources=("megatron_deepepv2/backends/deepep/adapter.py", "megatron_deepepv2/backends/deepep/backend.py"),
         tests=_REPLAY_TESTS,
         kind="external-lib",
-        notes="ElasticBuffer dispatch/combine; bit-exact only in deterministic mode (GPU cases of the replay suite).",
+        notes="ElasticBuffer dispatch/combine (adapter.py) over the buffer backend.py builds (deterministic=False: "
+        "deterministic mode orders rows itself; one all-reduce of a zero first, which creates the NCCL communicator "
+        "DeepEP reuses); bit-exact only in deterministic mode (GPU cases of the replay suite).",
     ),
     KernelEntry(
         name="autograd_ops",
@@ -123,13 +125,6 @@ KERNELS: tuple[KernelEntry, ...] = (
             "megatron_deepepv2/expert_ids.py",
         ),
         exempt_reason="Integer MAX all-reduces of sizes and error flags: exact by construction, no data path.",
-        kind="torch-op",
-    ),
-    KernelEntry(
-        name="deepep_build",
-        sources=("megatron_deepepv2/backends/deepep/backend.py",),
-        exempt_reason="One all-reduce of a zero over the expert-parallel group before a DeepEP build, which creates the "
-        "NCCL communicator DeepEP reuses: no data path.",
         kind="torch-op",
     ),
     KernelEntry(

@@ -1,4 +1,5 @@
-"""The Triton import the package's kernels share, and the one kernel a dispatch runs itself (CUDA only).
+"""The Triton import the package's kernels share, and the row-zeroing kernel a dispatch and the experts share (CUDA
+only).
 
 :data:`triton` and :data:`tl` are None where Triton does not import; :data:`AVAILABLE` says which. The FP8 quantiser
 (:mod:`megatron_deepepv2.fp8`), the expert-id check (:mod:`megatron_deepepv2.expert_ids`) and the experts' kernels

@@ -58,7 +58,7 @@ class DispatchConfig:
         check_fields(self, _how_to_set_config_field)
         self.check()
         # A configuration keys the backend's per-call argument cache on every call: hash it once.
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
 
     def check(self) -> None:
         """Checks what depends on several fields (each field was checked as it was built, its settings too).

@@ -399,5 +399,5 @@ def test_the_package_stands_in_few_rooms_on_few_floors(tmp_path, capsys):
     assert rooms["count"] <= 18 and len(rooms["root_modules"]) <= 12, rooms
     assert {"backends", "cli", "mcore", "testing"} <= set(rooms["subpackages"]), rooms
     moved = {"deepep_lines", "receive_order", "sizing", "topology", "integration", "manager", "megatron_config",
-             "experts", "bounded_receive", "doctor", "demo", "install_deepep", "run"}
+             "experts", "expert_kernels", "bounded_receive", "doctor", "demo", "install_deepep", "run"}
     assert not moved & set(rooms["root_modules"]), rooms
