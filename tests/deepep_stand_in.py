@@ -22,17 +22,23 @@ record of the scramble; a buffer built ``deterministic=True`` runs it after ever
 How tests use it: a rank worker calls :func:`use_stand_in_backend` (optionally with a line, ``"2.1"`` or ``"V2.5"``)
 before building a ``DeepEPBackend`` on :func:`group_of`; :func:`install_deep_ep` only installs the ``deep_ep``
 module; a test that needs the backend to see a given ``EPHandle`` class (or none) calls
-:func:`install_deep_ep_with_handle` with pytest's ``monkeypatch``. Each buffer class records its calls' arguments in
+:func:`install_deep_ep_with_handle` with pytest's ``monkeypatch``, the class being the full :class:`EPHandle` or one
+that :func:`handle_stand_in` builds to lack what a check looks for. Each buffer class records its calls' arguments in
 ``calls``, and :attr:`EventOverlap.created` keeps every event handed out; :func:`in_dense_order` puts a receive output
 back in the dense oracle's order.
+
+The other ``deep_ep`` modules the tests install are built here too: :func:`fake_deep_ep` (a module of exactly the
+attributes given, e.g. DeepEP v1's, :data:`DEEPEP_V1_EXPORTS`), :func:`install_fake_deep_ep` (one installed for a
+test's duration) and :func:`install_recording_deep_ep` (a buffer class that only records how it is built).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytest
 import torch
@@ -481,14 +487,114 @@ class FakeEPBuffer(_DenseStandIn):
 
 #: The stand-in of each DeepEP line: the buffer class and the module attribute it is exported as.
 STAND_INS = {"2.1": ("ElasticBuffer", FakeElasticBuffer), "V2.5": ("EPBuffer", FakeEPBuffer)}
+#: The ``__version__`` of each line's stand-in module.
+FAKE_VERSIONS = {"2.1": "2.1.0-fake", "V2.5": "2.5.0-fake"}
+#: What a DeepEP 1.x ``deep_ep`` exports that the backend looks at: v1's ``Buffer`` (no v2 buffer class) and a version.
+DEEPEP_V1_EXPORTS = {"Buffer": object, "__version__": "1.2.1"}
+#: The metadata of DeepEP's ``EPHandle`` (constructor arguments in 2.1.0 and V2.5) that the backend's own receive
+#: order reads when deterministic mode runs without host sync.
+EP_HANDLE_ORDER_FIELDS = ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank",
+                          "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert",
+                          "channel_linked_list")
+
+
+def fake_deep_ep(**exports) -> types.ModuleType:
+    """A ``deep_ep`` module holding exactly ``exports`` as its attributes.
+
+    Args:
+        **exports: The module's attributes, e.g. ``ElasticBuffer=FakeElasticBuffer, __version__="2.1.0-fake"``, or
+            :data:`DEEPEP_V1_EXPORTS`; a module without ``ElasticBuffer`` / ``EPBuffer`` stands for a ``deep_ep``
+            the backend must refuse.
+
+    Returns:
+        The module (installed nowhere).
+    """
+    module = types.ModuleType("deep_ep")
+    for name, value in exports.items():
+        setattr(module, name, value)
+    return module
+
+
+def install_fake_deep_ep(monkeypatch: pytest.MonkeyPatch, **exports) -> types.ModuleType:
+    """Makes ``deep_ep``, for the test's duration, a :func:`fake_deep_ep` module of ``exports``.
+
+    Args:
+        monkeypatch: The test's ``monkeypatch``, which restores ``sys.modules`` after the test.
+        **exports: The module's attributes, as for :func:`fake_deep_ep`.
+
+    Returns:
+        The module installed.
+    """
+    module = fake_deep_ep(**exports)
+    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    return module
+
+
+def install_recording_deep_ep(monkeypatch: pytest.MonkeyPatch, line: str = "2.1") -> list[dict]:
+    """Makes ``deep_ep``, for the test's duration, a line's module whose buffer class only records how it is built.
+
+    Args:
+        monkeypatch: The test's ``monkeypatch``.
+        line: The DeepEP line (``"2.1"``: ``ElasticBuffer``; ``"V2.5"``: ``EPBuffer``).
+
+    Returns:
+        The keyword arguments of each buffer construction, in order, filled as buffers are built (the group, passed
+        positionally, is not kept).
+    """
+    built: list[dict] = []
+
+    class RecordingBuffer:
+        """A buffer class that records its constructor's keyword arguments and does nothing else."""
+
+        def __init__(self, group, **kwargs) -> None:
+            built.append(kwargs)
+
+    name, _ = STAND_INS[line]
+    install_fake_deep_ep(monkeypatch, **{name: RecordingBuffer, "__version__": FAKE_VERSIONS[line]})
+    return built
+
+
+def handle_stand_in(name: str, *, parameters: Sequence[str] = (), attributes: Sequence[str] = (), sort: bool = True,
+                    doc: str = "") -> type:
+    """An ``EPHandle`` class exposing only what it is given, for the checks of what deterministic mode needs of the
+    installed DeepEP's handle (install it with :func:`install_deep_ep_with_handle`).
+
+    The checks read what the class exposes: its constructor's parameters (as DeepEP's own handle takes its metadata,
+    see :data:`EP_HANDLE_ORDER_FIELDS`) and its attributes (``dir``). They never build one or sort with it.
+
+    Args:
+        name: The class's name.
+        parameters: The constructor's parameters after ``self``; a built handle keeps each as an attribute.
+        attributes: Class attributes, each None (exposed through ``dir`` only).
+        sort: Whether the class has ``deterministic_sort``, with DeepEP's signature (it raises if ever called).
+        doc: The class's docstring: what the handle stands for.
+
+    Returns:
+        The class.
+    """
+    signature = inspect.Signature([inspect.Parameter(field, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                   for field in ("self", *parameters)])
+
+    def __init__(self, *args, **kwargs) -> None:
+        for field, value in signature.bind(self, *args, **kwargs).arguments.items():
+            if field != "self":
+                setattr(self, field, value)
+
+    __init__.__signature__ = signature
+    namespace = {"__init__": __init__, "__doc__": doc, "__module__": __name__, **dict.fromkeys(attributes)}
+    if sort:
+        def deterministic_sort(self, do_cpu_sync, is_cached_dispatch, recv_x, recv_sf, recv_topk_idx,
+                               recv_topk_weights, channel_linked_list) -> None:
+            raise AssertionError("never called by a check")
+
+        namespace["deterministic_sort"] = deterministic_sort
+    return type(name, (), namespace)
 
 
 def install_deep_ep(line: str = "2.1") -> None:
+    """Installs (for the rest of the process: a rank's) a line's ``deep_ep`` module holding its stand-in buffer."""
     name, cls = STAND_INS[line]
-    module = types.ModuleType("deep_ep")
-    setattr(module, name, cls)
-    module.__version__ = "2.5.0-fake" if line == "V2.5" else "2.1.0-fake"
-    sys.modules["deep_ep"] = module
+    sys.modules["deep_ep"] = fake_deep_ep(**{name: cls, "__version__": FAKE_VERSIONS[line]})
 
 
 def install_deep_ep_with_handle(monkeypatch: pytest.MonkeyPatch, handle_class: Optional[type],
@@ -501,11 +607,8 @@ def install_deep_ep_with_handle(monkeypatch: pytest.MonkeyPatch, handle_class: O
     setattr(buffers, name, buffer_class)
     if handle_class is not None:
         buffers.EPHandle = handle_class
-    deep_ep = types.ModuleType("deep_ep")
-    setattr(deep_ep, name, buffer_class)
-    deep_ep.__version__ = "2.1.0-fake"
     monkeypatch.setitem(sys.modules, buffers.__name__, buffers)
-    monkeypatch.setitem(sys.modules, "deep_ep", deep_ep)
+    install_fake_deep_ep(monkeypatch, **{name: buffer_class, "__version__": FAKE_VERSIONS[line]})
 
 
 def use_stand_in_backend(line: str = "2.1") -> None:

@@ -22,20 +22,16 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from megatron_deepepv2.testing.preload import MEGATRON_PRELOAD
+from megatron_deepepv2.testing.preload import server_preload
 from megatron_deepepv2.testing.spawn import free_port
 
 _CONTEXT = mp.get_context("forkserver")
 # What the ranks would import: Megatron (where installed; a missing module is skipped) takes seconds per rank, so the
 # server imports it once. Tests that must import Megatron themselves (from another tree) ask for a fresh interpreter.
-_CONTEXT.set_forkserver_preload([
-    "torch",
-    "torch.distributed",
-    "megatron_deepepv2",
-    *MEGATRON_PRELOAD,
-    "megatron.core.models.gpt.fine_grained_callables",  # patched by the integration for EP overlap (the tests only)
-    "megatron_deepepv2.testing.frozen_preload",  # last: freezes what the server imported (see there)
-])
+RANK_PRELOAD = server_preload(
+    # Patched by the integration for EP overlap (the tests only).
+    after_megatron=("megatron.core.models.gpt.fine_grained_callables",))
+_CONTEXT.set_forkserver_preload(RANK_PRELOAD)
 # Ranks that use the GPU start from a fresh interpreter: CUDA state must not be inherited through a fork.
 _SPAWN_CONTEXT = mp.get_context("spawn")
 _forkserver_hides_gpus = False

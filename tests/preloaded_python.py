@@ -38,19 +38,20 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _megatron_preload() -> tuple[str, ...]:
-    """:data:`megatron_deepepv2.testing.preload.MEGATRON_PRELOAD`, read from its file: importing it as a module would
-    import the package into the server, and a run would find it imported."""
+def _server_preload(**changes) -> list[str]:
+    """:func:`megatron_deepepv2.testing.preload.server_preload`'s list, read from its file: importing it as a module
+    would import the package into the server, and a run would find it imported."""
     namespace: dict = {}
     path = ROOT / "megatron_deepepv2" / "testing" / "preload.py"
-    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - the package's own constant
-    return namespace["MEGATRON_PRELOAD"]
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - the package's own list
+    return namespace["server_preload"](**changes)
 
 
-#: What the server imports (a missing one is skipped): torch and the shared Megatron list (not ``megatron.training``:
-#: importing it configures the root logger (to stdout), which a fresh interpreter only does when the run imports it,
-#: and after the run's own set-up).
-PRELOAD = ("torch", "torch.distributed", "megatron.core", *_megatron_preload())
+#: What the server imports (a missing one is skipped): the shared list (not ``megatron.training``: importing it
+#: configures the root logger (to stdout), which a fresh interpreter only does when the run imports it, and after the
+#: run's own set-up) without the package, which each run imports itself, and without ``frozen_preload``: the server
+#: freezes what it imported itself, after restoring the root logger.
+PRELOAD = tuple(_server_preload(package=False, before_megatron=("megatron.core",), freeze=False))
 #: Environment variables, and prefixes, that modules read when imported: a run whose values differ from the server's
 #: runs in the real interpreter.
 IMPORT_TIME_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",

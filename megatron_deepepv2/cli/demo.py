@@ -35,21 +35,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_deepepv2.testing.preload import MEGATRON_PRELOAD
+from megatron_deepepv2.testing.preload import server_preload
 from megatron_deepepv2.testing.spawn import spawn_on_free_port
 
 logger = logging.getLogger("megatron_deepepv2.cli.demo")
 
-# What the CPU ranks import, imported once by the server they are forked from (a missing module is skipped).
-_CPU_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "megatron_deepepv2",
-    "megatron_deepepv2.testing.cpu_shims",
-    "megatron_deepepv2.testing.moe_model",
-    *MEGATRON_PRELOAD,
-    "megatron_deepepv2.testing.frozen_preload",  # last: freezes what the server imported (see there)
-]
+# What the CPU ranks import, imported once by the server they are forked from (a missing module is skipped): the
+# shared list, with the demo's CPU helpers.
+_CPU_PRELOAD = server_preload(before_megatron=("megatron_deepepv2.testing.cpu_shims",
+                                               "megatron_deepepv2.testing.moe_model"))
 
 
 @dataclass

@@ -97,13 +97,13 @@ def test_dispatch_config_resolved_once_and_foreign_weight_mask_optional() -> Non
 
 def test_dispatch_config_runs_the_backend_mode_checks_when_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
-    from tests.deepep_stand_in import EPHandle, install_deep_ep_with_handle
+    from tests.deepep_stand_in import EPHandle, handle_stand_in, install_deep_ep_with_handle
 
-    class HandleWithoutMetadata:  # a DeepEP whose handle keeps none of what the sync-free order reads
-        def deterministic_sort(self, *args) -> None: ...
+    handle_without_metadata = handle_stand_in(
+        "HandleWithoutMetadata", doc="A DeepEP whose handle sorts but keeps none of what the sync-free order reads.")
 
     # The mode check needs no process group: it fails when the configuration is made, before any dispatch.
-    install_deep_ep_with_handle(monkeypatch, HandleWithoutMetadata)
+    install_deep_ep_with_handle(monkeypatch, handle_without_metadata)
     refused = ("Deterministic mode without host sync is not available on the deepep backend as installed: "
                ".*recv_src_metadata")
     with pytest.raises(ValueError, match=refused):

@@ -17,6 +17,7 @@ from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.backends.registry import register_backend, resolve_backend
 from megatron_deepepv2.backends.deepep.probes import import_deep_ep
 from megatron_deepepv2.config import OTHER_VARIABLES, REMOVED_VARIABLES, DeepepV2Settings, setting_variables
+from tests.deepep_stand_in import DEEPEP_V1_EXPORTS, install_fake_deep_ep
 from tests.git_checkout import not_own_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,20 +189,14 @@ def test_dispatch_without_config_resolves_once_per_arguments_and_settings() -> N
 @pytest.mark.parametrize(
     ("exports", "phrase"),
     [
-        ({"Buffer": object, "__version__": "1.2.1"}, "deep_ep 1.2.1 (from "),
+        (DEEPEP_V1_EXPORTS, "deep_ep 1.2.1 (from "),
         ({"Buffer": object}, "has Buffer but neither ElasticBuffer (DeepEP 2.1) nor EPBuffer (V2.5): it is DeepEP v1"),
         ({"HybridEPBuffer": object}, "exports ['HybridEPBuffer']"),
     ],
 )
 def test_import_deep_ep_names_the_deepep_line_it_found(monkeypatch: pytest.MonkeyPatch, exports: dict,
                                                        phrase: str) -> None:
-    import sys
-    import types
-
-    module = types.ModuleType("deep_ep")
-    for name, value in exports.items():
-        setattr(module, name, value)
-    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    install_fake_deep_ep(monkeypatch, **exports)
     with pytest.raises(ImportError) as info:
         import_deep_ep()
     assert phrase in str(info.value), str(info.value)
@@ -210,12 +205,7 @@ def test_import_deep_ep_names_the_deepep_line_it_found(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("buffer", ["EPBuffer", "ElasticBuffer"])
 def test_import_deep_ep_accepts_both_deepep_v2_lines(monkeypatch: pytest.MonkeyPatch, buffer: str) -> None:
-    import sys
-    import types
-
-    module = types.ModuleType("deep_ep")
-    setattr(module, buffer, object)
-    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    module = install_fake_deep_ep(monkeypatch, **{buffer: object})
     assert import_deep_ep() is module
 
 

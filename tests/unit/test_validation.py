@@ -9,9 +9,9 @@ import torch
 
 import megatron_deepepv2 as dv2
 from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
-from megatron_deepepv2.layout import ExpertLayout
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.validation import dispatch_inputs_problem
+from tests.deepep_stand_in import EP_HANDLE_ORDER_FIELDS, handle_stand_in
 from tests.distributed import run_distributed
 
 T, H, E, K = 6, 8, 8, 2
@@ -353,7 +353,7 @@ def test_ranks_with_unlike_buffers_raise_naming_them_at_default_settings(field: 
         assert kind == "ValueError" and field in message.split(" differ (")[0].split("whose ")[-1], (rank, message)
         assert re.search(f"rank 1: [^;)]*{field} {rank1}", message), message
         assert re.search(f"rank 0: [^;)]*{field} {others}", message), message
-        assert "buffer builds" in message and all(agreed.name in message for agreed in BUILD_AGREEMENT), message
+        assert "buffer builds" in message and all(field.name in message for field in BUILD_AGREEMENT), message
 
 
 # ---------------------------------------------------------------- the device-side id check (CUDA)
@@ -468,23 +468,13 @@ def test_sync_free_experts_refuse_what_they_cannot_run(change: dict, tp: int, ph
 
 
 # ---------------------------------------------------------------- deterministic mode: what the installed DeepEP exposes
-class _HandleWithoutUnalignedCounts:
-    """An ``EPHandle`` that keeps neither the expand layout's unaligned counts nor anything named for them."""
-
-    def __init__(self, recv_src_metadata, psum_num_recv_tokens_per_scaleup_rank, psum_num_recv_tokens_per_expert,
-                 channel_linked_list) -> None:
-        self.recv_src_metadata = recv_src_metadata
-
-    def deterministic_sort(self, do_cpu_sync, is_cached_dispatch, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
-                           channel_linked_list) -> None:
-        raise AssertionError("never called by a check")
-
-
-class _HandleWithoutSort:
-    """An ``EPHandle`` with every metadata field (as class attributes: found through ``dir``) but no sort."""
-
-    recv_src_metadata = psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_expert = None
-    num_unaligned_recv_tokens_per_expert = channel_linked_list = None
+_HandleWithoutUnalignedCounts = handle_stand_in(
+    "_HandleWithoutUnalignedCounts",
+    parameters=[field for field in EP_HANDLE_ORDER_FIELDS if field != "num_unaligned_recv_tokens_per_expert"],
+    doc="An ``EPHandle`` that keeps neither the expand layout's unaligned counts nor anything named for them.")
+_HandleWithoutSort = handle_stand_in(
+    "_HandleWithoutSort", attributes=EP_HANDLE_ORDER_FIELDS, sort=False,
+    doc="An ``EPHandle`` with every metadata field (as class attributes: found through ``dir``) but no sort.")
 
 
 def _deterministic_config(host_sync: bool, deterministic: bool = True):

@@ -136,7 +136,7 @@ def test_a_wait_past_max_wait_fails_naming_the_holder(tmp_path, gpus: int) -> No
     lock = tmp_path / "gpu.lock"
     with gpu_job_lock(gpus, lock_path=lock, slots=1 if gpus == 2 else 2):  # a second open file waits like a process
         with pytest.raises(TimeoutError, match=rf"waited 0.3 s for the GPU-job lock .* held by pid {os.getpid()} "
-                                               r"\(tests/unit/test_gpu_jobs.py::test_a_wait_past_max_wait"):
+                                               r"\(tests/harness/test_gpu_jobs.py::test_a_wait_past_max_wait"):
             with gpu_job_lock(2, lock_path=lock, max_wait=0.3):
                 pass
 
@@ -194,12 +194,13 @@ def test_waiting_for_the_lock_does_not_count_against_the_timeout(tmp_path, case:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_contended.py").write_text(_CONTENDED.format(lock=str(tmp_path / "gpu.lock")))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q", "-rA",
-                           f"test_contended.py::{case}"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q",
+                           "-rA", f"test_contended.py::{case}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     output = done.stdout + done.stderr
     assert re.search(rf"^{outcome} test_contended.py::{case}", output, re.M), output[-3000:]
-    assert re.search(r"waited 1\.\d s for the GPU-job lock, not counted against the 1 s timeout", output), output[-3000:]
+    assert re.search(r"waited 1\.\d s for the GPU-job lock, not counted against the 1 s timeout",
+                     output), output[-3000:]
     if outcome == "FAILED":
         assert "Timeout (>" in output and "from pytest-timeout" in output, output[-3000:]
         assert time.monotonic() - start < 8, "the job ran on past its timeout"  # it would sleep 10 s
