@@ -8,7 +8,7 @@ Public API:
   speak (:mod:`.layout`, :mod:`.backends.base`); :func:`register_backend`, :func:`resolve_backend`,
   :func:`backend_names` -- the backends by name (:mod:`.backends.registry`);
 * :func:`configure`, :func:`settings_override`, :func:`get_settings` -- switches (:mod:`.config`);
-* :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.integration`);
+* :func:`install` -- add ``--moe-flex-dispatcher-backend deepepv2`` to Megatron-Core (:mod:`.mcore.integration`);
 * :func:`destroy_buffers` -- release communication buffers before shutdown, :func:`release_retired_buffers` --
   release superseded ones once per step (:mod:`.buffers`);
 * :class:`PeerFailure` -- what a rank raises when another rank of its group failed first (:mod:`.failures`).

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.failures import (agreed, announce_failure, announced_failures, rendezvous_key, store,
-                                        wait_watching_peers)
+from megatron_deepepv2.failures import (announce_failure, announced_failures, rendezvous_key, settled,
+                                        store, wait_watching_peers)
 
 if TYPE_CHECKING:
     from megatron_deepepv2.groups import GroupState
@@ -220,7 +220,7 @@ def raise_on_every_rank(problem: Optional[Exception], state: GroupState, *, agre
     Raises:
         TypeError, ValueError: ``problem``; with ``agree``, on the other ranks a ValueError naming each rank that had
             one and its error, or each rank's differing values; each marked by
-            :func:`~megatron_deepepv2.failures.agreed`.
+            :func:`~megatron_deepepv2.failures.settled`.
     """
     if not agree:
         if problem is not None:
@@ -235,13 +235,13 @@ def raise_on_every_rank(problem: Optional[Exception], state: GroupState, *, agre
         announce_failure(state, problem, interrupt=False)
     outcome = all_reduce_max(flags + [num_tokens] + values + [-value for value in values], state)
     if problem is not None:
-        raise agreed(problem)
+        raise settled(problem)
     if any(outcome[:world]):
-        raise agreed(_rejected_by_peers([r for r in range(world) if outcome[r]], state))
+        raise settled(_rejected_by_peers([r for r in range(world) if outcome[r]], state))
     count = len(values)
     highs, lows = outcome[world + 1:world + 1 + count], [-v for v in outcome[world + 1 + count:]]
     if highs != lows:
-        raise agreed(_differing_values(fields, values, highs, lows, state, purpose))
+        raise settled(_differing_values(fields, values, highs, lows, state, purpose))
     return outcome[world]
 
 

@@ -1,9 +1,10 @@
 """Buffer lifecycle: the one registry of this process's communication buffers.
 
 One buffer lives per (backend, process group, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`), kept in the
-group's :class:`~megatron_deepepv2.groups.GroupState`. Builds are collective, never run in CUDA-graph capture, and agree
-on :attr:`~megatron_deepepv2.backends.base.BufferSpec.agreed` over the ranks. A rebuild for more tokens retires the old
-buffer: its handles keep working until :func:`release_retired_buffers` (or a build) finds no rank uses it.
+group's :class:`~megatron_deepepv2.groups.GroupState`. Builds are collective, never run in CUDA-graph capture, and
+agree on :attr:`~megatron_deepepv2.backends.base.BufferSpec.agreed_fields` over the ranks. A rebuild for more tokens
+retires the old buffer: its handles keep working until :func:`release_retired_buffers` (or a build) finds no rank
+uses it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from megatron_deepepv2.agreement import all_reduce_max, raise_on_every_rank, rendezvous
 from megatron_deepepv2.failures import PeerFailure, announce_failure, begin_build
-from megatron_deepepv2.groups import GroupState, known_groups, next_power_of_two, state_of
+from megatron_deepepv2.groups import GroupState, known_states, next_power_of_two
 
 if TYPE_CHECKING:
     from megatron_deepepv2.backends.base import BufferSpec, DispatchBackend
@@ -92,8 +93,8 @@ def get_buffer(backend_cls: type[DispatchBackend], state: GroupState, spec: Buff
     _meet_to_build(backend_cls.name, state, spec, num_tokens, current)
     # Unconditional, so that every rank on this path runs the collective: the ranks agree on the largest batch and on
     # the key (a differing one would corrupt the exchange), then release the retired buffers no rank uses.
-    largest = raise_on_every_rank(None, state, agree=True, num_tokens=num_tokens, fields=spec.agreed,
-                                  values=[agreed.encode(spec) for agreed in spec.agreed], purpose="buffer builds")
+    largest = raise_on_every_rank(None, state, agree=True, num_tokens=num_tokens, fields=spec.agreed_fields,
+                                  values=[field.encode(spec) for field in spec.agreed_fields], purpose="buffer builds")
     if state.retired:
         _release(state)
     configured = spec.settings.num_max_tokens_per_rank
@@ -108,7 +109,7 @@ def get_buffer(backend_cls: type[DispatchBackend], state: GroupState, spec: Buff
         logger.info("Rebuilding the %s buffer: %d tokens exceed the token limit %d (the old buffer is kept until no "
                     "dispatch handle uses it)", backend_cls.name, largest, current.spec.num_max_tokens_per_rank)
         state.retired.append(state.buffers.pop(key))
-    buffer = state.buffers[key] = backend_cls(state.group, replace(spec, num_max_tokens_per_rank=limit))
+    buffer = state.buffers[key] = backend_cls(state, replace(spec, num_max_tokens_per_rank=limit))
     _stats.builds += 1
     logger.info("Built the %s buffer: %.1f MiB of device memory, sized for %d tokens per rank (hidden %d, top-k %d, "
                 "%d ranks)", backend_cls.name, buffer.num_bytes / 2**20, limit, spec.hidden, spec.num_topk,
@@ -213,7 +214,7 @@ def release_retired_buffers() -> int:
     """
     released = 0
     # The same order on every rank, whatever order the groups retired buffers in.
-    for state in sorted((state_of(g) for g in known_groups() if state_of(g).retired), key=lambda s: s.ranks):
+    for state in sorted((state for state in known_states() if state.retired), key=lambda s: s.ranks):
         released += _release(state)
     return released
 
@@ -221,8 +222,7 @@ def release_retired_buffers() -> int:
 def destroy_buffers() -> None:
     """Destroys every buffer of this process, retired ones included (collective: call it on every rank, e.g.
     before shutdown, once no backward pass is pending)."""
-    for group in known_groups():
-        state = state_of(group)
+    for state in known_states():
         for buffer in [*state.buffers.values(), *state.retired]:
             _forget(buffer)
         state.buffers.clear()
@@ -236,9 +236,9 @@ def buffer_stats() -> BufferStats:
 
 def active_buffers() -> list[DispatchBackend]:
     """Returns the buffers in use of this process (one per backend, group and shape key)."""
-    return [buffer for group in known_groups() for buffer in state_of(group).buffers.values()]
+    return [buffer for state in known_states() for buffer in state.buffers.values()]
 
 
 def retired_buffers() -> list[DispatchBackend]:
     """Returns the superseded buffers still kept for the dispatch handles that use them."""
-    return [buffer for group in known_groups() for buffer in state_of(group).retired]
+    return [buffer for state in known_states() for buffer in state.retired]

@@ -65,7 +65,7 @@ def expert_ids_problem(topk_idx: torch.Tensor, num_experts: int) -> Optional[Exc
     if bool(duplicate.any()):
         token = int(duplicate.any(dim=1).nonzero()[0, 0])
         return ValueError(f"topk_idx selects the same expert twice for token {token}: {topk_idx[token].tolist()}. "
-                          "Each token must select distinct experts (DeepEP turns this into a device-side assert).")
+                          "Each token must select distinct experts.")
     return None
 
 

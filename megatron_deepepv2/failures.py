@@ -98,7 +98,7 @@ class PeerFailure(RuntimeError):
 _ATTRIBUTED = "_megatron_deepepv2_attributed"
 
 
-def agreed(error: BaseException) -> BaseException:
+def settled(error: BaseException) -> BaseException:
     """Marks ``error`` as settled -- raised by every rank of the group together (after an agreement), or announced
     by this rank: :func:`peer_failure` passes it through unchanged. Returns ``error``."""
     try:
@@ -124,7 +124,7 @@ def announce_failure(state: GroupState, error: BaseException, *, consequence: bo
         interrupt: Make peers that wait in a collective of this call stop waiting. False where every rank reaches
             the same collective anyway and reads the announcement after it (an agreement of errors).
     """
-    agreed(error)
+    settled(error)
     rendezvous_store = store()
     if rendezvous_store is None:
         return
@@ -230,7 +230,7 @@ def peer_failure(error: BaseException, state: GroupState) -> BaseException:
     :class:`PeerFailure` naming each and its error (this rank's own error follows it); this rank's error is then
     announced as their consequence. Otherwise this rank is the first to fail: its error is announced for the peers
     and returned unchanged. An error already settled -- a :class:`PeerFailure`, an error announced before
-    (:func:`announce_failure`) or one every rank raises together (:func:`agreed`) -- is returned as it is, so that
+    (:func:`announce_failure`) or one every rank raises together (:func:`settled`) -- is returned as it is, so that
     nested callers may each pass errors here.
 
     Args:

@@ -4,7 +4,7 @@ A group's state is made on first use by :func:`state_of` and holds every per-gro
 its size, rank and ranks (asked once: each call costs tens of microseconds), whether its collectives poll the store,
 the call and build counters that scope failure announcements and the group's
 :class:`~megatron_deepepv2.failures.GroupCall` (:mod:`megatron_deepepv2.failures`), its buffers in use and retired
-(:mod:`megatron_deepepv2.buffers`), the dispatchers bound on it and the inputs whose checks passed
+(:mod:`megatron_deepepv2.buffers`), the dispatch bindings made on it and the inputs whose checks passed
 (:mod:`megatron_deepepv2.ops`) and the node identity of its ranks (:mod:`megatron_deepepv2.backends.deepep.topology`).
 Nothing else in the package keeps a dictionary keyed by process group; the functions that need a group's state take
 the state itself, not the group, so that it is looked up once per call.
@@ -36,7 +36,7 @@ class GroupState:
         builds: Collective buffer builds started on the group, the same count on every rank while they build together.
         buffers: The buffer in use per (backend name, :attr:`~megatron_deepepv2.backends.base.BufferSpec.key`).
         retired: Buffers superseded by a rebuild, in retirement order, kept while a dispatch handle uses them.
-        dispatchers: The :class:`~megatron_deepepv2.ops.Dispatcher` bound per (configuration, number of experts).
+        bindings: The :class:`~megatron_deepepv2.ops.DispatchBinding` made per (configuration, number of experts).
         checked_inputs: The one memo of inputs whose static checks passed on the group, by (configuration,
             signature): a dispatch's maps to the buffer spec it leases with, a combine's to True.
         node_ids: The node identity of each group rank, in group-rank order; None until gathered.
@@ -53,7 +53,7 @@ class GroupState:
     builds: int = 0
     buffers: dict[tuple, Any] = field(default_factory=dict)
     retired: list[Any] = field(default_factory=list)
-    dispatchers: dict[tuple, Any] = field(default_factory=dict)
+    bindings: dict[tuple, Any] = field(default_factory=dict)
     checked_inputs: dict[tuple, Any] = field(default_factory=dict)
     node_ids: Optional[tuple[str, ...]] = None
     call: GroupCall = field(init=False)
@@ -75,15 +75,15 @@ def state_of(group: dist.ProcessGroup) -> GroupState:
     """
     state = _states.get(group)
     if state is None:
-        state = _states[group] = GroupState(group, dist.get_world_size(group), dist.get_rank(group),
-                                            tuple(dist.get_process_group_ranks(group)),
-                                            collective_device(group).type == "cpu")
+        state = _states[group] = GroupState(group=group, size=dist.get_world_size(group), rank=dist.get_rank(group),
+                                            ranks=tuple(dist.get_process_group_ranks(group)),
+                                            polled=collective_device(group).type == "cpu")
     return state
 
 
-def known_groups() -> list[dist.ProcessGroup]:
-    """Returns the process groups that have a state, in the order they were first used."""
-    return list(_states)
+def known_states() -> list[GroupState]:
+    """Returns the state of each process group this process has used, in the order they were first used."""
+    return list(_states.values())
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:

@@ -1,5 +1,5 @@
 """Differentiable dispatch and combine: :func:`resolve_config` (a dispatch configuration from the settings), the
-bound :class:`Dispatcher`, and one autograd Function per op (dispatch's backward is a combine of the gradient,
+bound :class:`DispatchBinding`, and one autograd Function per op (dispatch's backward is a combine of the gradient,
 combine's a cached dispatch), which the Megatron manager and :func:`dispatch` / :func:`combine` call. Every call runs
 in its group's :class:`~megatron_deepepv2.failures.GroupCall`, so a peer raises naming the rank that failed first.
 """
@@ -19,7 +19,7 @@ from megatron_deepepv2.backends.base import (SYNC, BufferSpec, DispatchBackend, 
                                              DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import resolve_backend
 from megatron_deepepv2.config import SETTING_NAMES, DeepepV2Settings, get_settings
-from megatron_deepepv2.groups import state_of
+from megatron_deepepv2.groups import GroupState, state_of
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates, rows_past_valid, split_hidden
 
 #: Fields of :class:`~megatron_deepepv2.backends.base.DispatchConfig` a caller sets beside the settings.
@@ -72,8 +72,8 @@ def _config_for(arguments: dict[str, Any]) -> DispatchConfig:
         return resolve_config(**arguments)
 
 
-def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> "Dispatcher":
-    """Returns the :class:`Dispatcher` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
+def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> "DispatchBinding":
+    """Returns the :class:`DispatchBinding` of ``config`` on ``group`` for ``num_experts`` experts, made on first use.
 
     Args:
         config, group, num_experts: The dispatches' configuration, expert-parallel group and global expert count.
@@ -81,11 +81,15 @@ def bind(config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
     """
-    dispatchers = state_of(group).dispatchers
-    dispatcher = dispatchers.get((config, num_experts))
-    if dispatcher is None:
-        dispatcher = dispatchers[config, num_experts] = Dispatcher(config, group, num_experts)
-    return dispatcher
+    return _bound(config, state_of(group), num_experts)
+
+
+def _bound(config: DispatchConfig, state: GroupState, num_experts: int) -> "DispatchBinding":
+    """:func:`bind` on the group's ``state``."""
+    binding = state.bindings.get((config, num_experts))
+    if binding is None:
+        binding = state.bindings[config, num_experts] = DispatchBinding(config, state, num_experts)
+    return binding
 
 
 def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optional[tuple], int]:
@@ -106,15 +110,16 @@ def _static_signature(x: Any, topk_idx: Any, topk_weights: Any) -> tuple[Optiona
         return None, 0
 
 
-class Dispatcher:
-    """The dispatches of ``config`` on the expert-parallel ``group`` for ``num_experts`` global experts (see
+class DispatchBinding:
+    """The dispatches of ``config`` on the expert-parallel group of ``state`` for ``num_experts`` global experts (see
     :func:`bind`): the group's state, the last input signature whose checks passed and the buffer spec it leases with.
 
     The inputs whose static checks passed are remembered in the group's ``checked_inputs`` (one memo for dispatch and
     combine), by signature: a repeated signature is not checked again unless ``validate`` or the token limit asks.
 
     Args:
-        config, group, num_experts: The dispatches' configuration, expert-parallel group and global expert count.
+        config, state, num_experts: The dispatches' configuration, the state of their expert-parallel group
+            (:func:`~megatron_deepepv2.groups.state_of`) and the global expert count.
 
     Raises:
         ValueError: If ``num_experts`` is not a positive multiple of the group size.
@@ -122,8 +127,8 @@ class Dispatcher:
 
     __slots__ = ("config", "state", "num_experts", "_checked", "_signature", "_spec")
 
-    def __init__(self, config: DispatchConfig, group: dist.ProcessGroup, num_experts: int) -> None:
-        self.state = state_of(group)  # its call is the context of every call: counted, failures attributed
+    def __init__(self, config: DispatchConfig, state: GroupState, num_experts: int) -> None:
+        self.state = state  # its call is the context of every call: counted, failures attributed
         validation.check_binding(num_experts, self.state.size)
         self.config, self.num_experts = config, num_experts
         self._checked = self.state.checked_inputs
@@ -168,9 +173,10 @@ class Dispatcher:
             num_tokens = self._raise_or_agree(problem, x, topk_idx, num_tokens)
         if spec is None:
             data, scales = split_hidden(x)
+            # The token limit is decided at the build (buffers.get_buffer), from the group's token counts.
             spec = self._checked[self.config, signature] = BufferSpec(
-                data.shape[1], topk_idx.shape[1], 0, settings, scales is not None or settings.fp8_dispatch,
-                self.config.backend)
+                hidden=data.shape[1], num_topk=topk_idx.shape[1], num_max_tokens_per_rank=0, settings=settings,
+                fp8=scales is not None or settings.fp8_dispatch, backend=self.config.backend)
         self._signature, self._spec = signature, spec
         return buffers.get_buffer(self.config.backend, self.state, spec, num_tokens)
 
@@ -196,7 +202,7 @@ class Dispatcher:
             data, scales = split_hidden(x)
             facts = DispatchFacts(dtype=data.dtype, hidden=data.shape[1], num_topk=topk_idx.shape[1],
                                   fp8=scales is not None or settings.fp8_dispatch, num_sms=settings.num_sms)
-            values = [agreed.encode(facts) for agreed in DISPATCH_AGREEMENT]
+            values = [field.encode(facts) for field in DISPATCH_AGREEMENT]
         return raise_on_every_rank(problem, self.state, agree=settings.validate, num_tokens=num_tokens,
                                    fields=DISPATCH_AGREEMENT, values=values)
 
@@ -218,27 +224,27 @@ def _masked_routing(handle: DispatchHandle, recv_idx: Optional[torch.Tensor],
 
 
 class DispatchFunction(torch.autograd.Function):
-    """``apply(x, topk_weights, dispatcher, topk_idx, scales, streams)`` -> ``(recv_x, recv_topk_weights,
+    """``apply(x, topk_weights, binding, topk_idx, scales, streams)`` -> ``(recv_x, recv_topk_weights,
     recv_scales, recv_topk_idx, handle)``.
 
-    Inputs: ``x`` ``[T, H]``; ``topk_weights`` ``[T, K]`` fp32 or None; ``dispatcher`` a :class:`Dispatcher`;
+    Inputs: ``x`` ``[T, H]``; ``topk_weights`` ``[T, K]`` fp32 or None; ``binding`` a :class:`DispatchBinding`;
     ``topk_idx`` ``[T, K]`` int64; ``scales`` ``[T, S]`` of an FP8 pair ``(x, scales)`` or None; ``streams`` a
     :class:`~megatron_deepepv2.backends.base.Streams`. Outputs as in
     :class:`~megatron_deepepv2.backends.base.DispatchResult`, ``recv_scales`` ``[N, S]`` for an FP8 pair (its rows and
     scales then not differentiable). Differentiable in ``x`` and ``topk_weights``; with ``fp8_dispatch`` the backward
-    is BF16. Raises as :meth:`Dispatcher.prepare`, and a PeerFailure for a peer's failure.
+    is BF16. Raises as :meth:`DispatchBinding.prepare`, and a PeerFailure for a peer's failure.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_weights: Optional[torch.Tensor],  # type: ignore[override]
-                dispatcher: Dispatcher, topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
-        config = dispatcher.config
-        call = dispatcher.state.call
+                binding: DispatchBinding, topk_idx: torch.Tensor, scales: Optional[torch.Tensor], streams: Streams):
+        config = binding.config
+        call = binding.state.call
         with call:
-            buffer = dispatcher.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
+            buffer = binding.prepare(x if scales is None else (x, scales), topk_idx, topk_weights)
             data = fp8.quantize_e4m3_1x128(x) if config.settings.fp8_dispatch else x if scales is None else (x, scales)
             recv_x, recv_idx, recv_weights, handle = buffer.dispatch(data, topk_idx, topk_weights, config,
-                                                                     dispatcher.num_experts, streams)
+                                                                     binding.num_experts, streams)
             buffers.track_handle(handle)  # keeps its buffer alive through a rebuild until the handle is gone
             recv_scales = None
             if config.settings.fp8_dispatch:  # BF16 rows for the experts (the valid ones only, without host sync)
@@ -268,8 +274,8 @@ class DispatchFunction(torch.autograd.Function):
                     grad_recv_weights = torch.zeros(shape, dtype=torch.float32, device=grad_recv_x.device)
                 # Made before the backend captures the event its communication stream waits on.
                 grad_weights = grad_recv_weights.float().contiguous()
-            grad_x, grad_topk_weights = handle.buffer.combine(grad_recv_x.contiguous(), handle, grad_weights,
-                                                              ctx.streams)
+            grad_x, grad_topk_weights = handle.buffer.combine(grad_recv_x.contiguous(), handle,
+                                                              topk_weights=grad_weights, streams=ctx.streams)
         return grad_x, grad_topk_weights, None, None, None, None
 
 
@@ -295,13 +301,13 @@ class CombineFunction(torch.autograd.Function):
                 if key is not None:
                     checked[key] = True
             ctx.handle, ctx.streams = handle, streams
-            return handle.buffer.combine(x.contiguous(), handle, None, streams).x
+            return handle.buffer.combine(x.contiguous(), handle, streams=streams).x
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         handle: DispatchHandle = ctx.handle
         with ctx.call:
-            grad = handle.buffer.cached_dispatch(grad_out.contiguous(), handle, None, ctx.streams).recv_x
+            grad = handle.buffer.cached_dispatch(grad_out.contiguous(), handle, streams=ctx.streams).recv_x
         if not handle.config.host_sync and handle.config.clear_tail:
             # Rows past the valid extent are unspecified: zero them, writing only those rows.
             if kernels.AVAILABLE and grad.is_cuda:
@@ -317,7 +323,7 @@ def _streams(async_finish: bool, allocate_on_comm_stream: bool) -> Streams:
                                                                              bool(allocate_on_comm_stream))
 
 
-def _as_function_inputs(x: Any, topk_idx: Any, topk_weights: Any, dispatcher: Dispatcher) -> tuple:
+def _as_function_inputs(x: Any, topk_idx: Any, topk_weights: Any, binding: DispatchBinding) -> tuple:
     """:class:`DispatchFunction`'s inputs but the streams, from a :func:`dispatch` call's: contiguous tensors, floating
     weights in fp32; anything else passed on for the checks to name."""
     if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
@@ -330,7 +336,7 @@ def _as_function_inputs(x: Any, topk_idx: Any, topk_weights: Any, dispatcher: Di
         data, scales = x, None
     if isinstance(data, torch.Tensor):
         data = data.contiguous()
-    return data, topk_weights, dispatcher, topk_idx, scales
+    return data, topk_weights, binding, topk_idx, scales
 
 
 def dispatch(
@@ -371,23 +377,22 @@ def dispatch(
         PeerFailure: A peer of the group failed in this call (or waits at a buffer build this rank did not need),
             named with its error; the group is unusable after it.
     """
-    group = group if group is not None else dist.group.WORLD
+    state = state_of(group if group is not None else dist.group.WORLD)
     try:
         if config is None:
             config = _config_for(settings)
         elif settings:
             raise TypeError(f"dispatch() takes either config= or the settings it resolves ({sorted(settings)}), "
                             "not both.")
-        dispatcher = bind(config, group, num_experts)
+        binding = _bound(config, state, num_experts)
     except (TypeError, ValueError) as problem:
         # Raised in the call the peers are making, so that they stop too instead of waiting for this rank.
         validate = settings.get("validate") if config is None else config.settings.validate
         validate = get_settings().validate if validate is None else validate
-        state = state_of(group)
         with state.call:
             raise_on_every_rank(problem, state, agree=bool(validate), fields=DISPATCH_AGREEMENT)
     recv_x, recv_weights, recv_scales, recv_idx, handle = DispatchFunction.apply(
-        *_as_function_inputs(x, topk_idx, topk_weights, dispatcher), _streams(async_finish, allocate_on_comm_stream))
+        *_as_function_inputs(x, topk_idx, topk_weights, binding), _streams(async_finish, allocate_on_comm_stream))
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), recv_idx, recv_weights, handle)
 
 

@@ -56,8 +56,8 @@ def host_sync_capture_error() -> RuntimeError:
     """Returns the error of a dispatch with host sync inside CUDA-graph capture."""
     return RuntimeError(
         "deepepv2 dispatch with host sync inside CUDA-graph capture: the dispatch waits on the host for sizes that "
-        "captured kernels never produce (DeepEP would spin until its CPU timeout). Capture dispatches without host "
-        "sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers.")
+        "captured kernels never produce (the backend would wait until its timeout). Capture dispatches without "
+        "host sync: host_sync=False, or MEGATRON_DEEPEPV2_NO_HOST_SYNC=1 for Megatron layers.")
 
 
 def dispatch_inputs_problem(x: "HiddenStates", topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], *,
@@ -124,7 +124,7 @@ def _hidden_problem(x: "HiddenStates", limits: "BackendLimits", fp8_dispatch: bo
     if hidden % limits.combine_hidden_multiple:
         return ValueError(f"hidden={hidden} is not a multiple of {limits.combine_hidden_multiple}, which this "
                           "backend's combine (also run by dispatch backward) requires. Use a hidden size that is a "
-                          f"multiple of {limits.combine_hidden_multiple}, or the reference backend.")
+                          f"multiple of {limits.combine_hidden_multiple}, or a backend without this rule.")
     if limits.requires_cuda and not data.is_cuda:
         return ValueError(f"x is on {data.device}; this backend needs CUDA tensors. Move inputs with .cuda().")
     return None

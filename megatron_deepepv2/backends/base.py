@@ -18,11 +18,10 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_deepepv2.config import DeepepV2Settings, check_fields
 from megatron_deepepv2.agreement import AgreedField, yes_no
-from megatron_deepepv2.groups import state_of
+from megatron_deepepv2.groups import GroupState
 from megatron_deepepv2.layout import ExpertLayout, HiddenStates
 
 
@@ -115,7 +114,8 @@ class BufferSpec:
     BF16 rows), the settings of the dispatches, and the backend class (None: the contract's agreement only).
 
     Attributes:
-        key: What buffers are kept apart by, and what the ranks agree on at a build: the values of :attr:`agreed`.
+        key: What buffers are kept apart by, and what the ranks agree on at a build: the values of
+            :attr:`agreed_fields`.
     """
 
     hidden: int
@@ -127,10 +127,10 @@ class BufferSpec:
 
     def __post_init__(self) -> None:
         # Read on every dispatch (the buffer registry's key): computed once.
-        object.__setattr__(self, "key", tuple(agreed.read(self) for agreed in self.agreed))
+        object.__setattr__(self, "key", tuple(each.read(self) for each in self.agreed_fields))
 
-    agreed = property(lambda self: BUILD_AGREEMENT + (self.backend.extra_agreement if self.backend else ()),
-                      doc="What the ranks agree on at a build: :data:`BUILD_AGREEMENT`, then the backend's own.")
+    agreed_fields = property(lambda self: BUILD_AGREEMENT + (self.backend.extra_agreement if self.backend else ()),
+                             doc="What the ranks agree on at a build: :data:`BUILD_AGREEMENT`, then the backend's own.")
 
 
 @dataclass(frozen=True)
@@ -237,11 +237,12 @@ class CombineOutput(NamedTuple):
 class DispatchBackend(ABC):
     """A backend class; each instance is one communication buffer on one process group (the package's "buffer"; the
     library's own buffer object, when there is one, is private to the backend). Construction and :meth:`destroy` are
-    collective over ``group``; inputs arrive checked (:mod:`megatron_deepepv2.validation`), contiguous, on the device
+    collective over the group; inputs arrive checked (:mod:`megatron_deepepv2.validation`), contiguous, on the device
     ``limits`` asks for.
 
     Args:
-        group: Process group spanning the expert-parallel ranks.
+        state: The state of the expert-parallel group (:func:`~megatron_deepepv2.groups.state_of`), which the buffer
+            keeps as :attr:`state`: its ``group`` is the process group the buffer spans.
         spec: What the buffer is built for; ``spec.num_max_tokens_per_rank`` is the same on every rank.
 
     Attributes:
@@ -258,10 +259,10 @@ class DispatchBackend(ABC):
     #: Order of preference of backend ``auto``: the usable backend with the lowest value is chosen.
     auto_preference: ClassVar[int] = 100
 
-    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
-        self.group = group
+    def __init__(self, state: GroupState, spec: BufferSpec) -> None:
+        self.state = state
+        self.group = state.group
         self.spec = spec
-        self.state = state_of(group)
         self.group_size, self.rank = self.state.size, self.state.rank
         self.handle_records: Any = None
 

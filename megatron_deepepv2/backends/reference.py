@@ -39,7 +39,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_deepepv2.agreement import all_reduce_max, run_collective
+from megatron_deepepv2.agreement import AgreedField, raise_on_every_rank, run_collective
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
 from megatron_deepepv2.backends.registry import register_backend
@@ -210,14 +210,18 @@ def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(values, 0) - values
 
 
+#: What the ranks also agree on when they construct a reference buffer: the token limit it is sized for.
+_TOKEN_LIMIT = AgreedField("num_max_tokens_per_rank", lambda spec: spec.num_max_tokens_per_rank)
+
+
 @register_backend
 class ReferenceBackend(DispatchBackend):
     """Dispatch/combine over ``torch.distributed.all_to_all_single`` (gloo, NCCL).
 
     Honours the whole contract of :class:`~megatron_deepepv2.backends.base.DispatchBackend`: compact
     and expand layouts, expert alignment, zero padding, FP8 pairs passed through, cached dispatch,
-    combine with weights, and dispatch with or without host sync. Construction runs one barrier-like
-    all-reduce on ``group`` so that buffer (re)builds are collective exactly like DeepEP's.
+    combine with weights, and dispatch with or without host sync. Construction runs one small all-reduce
+    over the group, so that buffer (re)builds are collective as DeepEP's are.
     """
 
     name: ClassVar[str] = "reference"
@@ -226,16 +230,13 @@ class ReferenceBackend(DispatchBackend):
         combine_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
     )
 
-    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
-        super().__init__(group, spec)
-        # Collective like every buffer construction: a rank that builds alone blocks here instead of
-        # corrupting a later exchange. Also materialises a lazy NCCL communicator.
-        (agreed,) = all_reduce_max([spec.num_max_tokens_per_rank], self.state)
-        if agreed != spec.num_max_tokens_per_rank:
-            raise RuntimeError(
-                f"Ranks built buffers with different num_max_tokens_per_rank (this rank "
-                f"{spec.num_max_tokens_per_rank}, largest {agreed}); it must be the same on every rank."
-            )
+    def __init__(self, state: GroupState, spec: BufferSpec) -> None:
+        super().__init__(state, spec)
+        # Collective like every buffer construction: a rank that builds alone blocks here instead of corrupting a later
+        # exchange, and the ranks check that they size for the same token limit. Also materialises a lazy NCCL
+        # communicator.
+        raise_on_every_rank(None, state, agree=True, fields=(_TOKEN_LIMIT,), values=[_TOKEN_LIMIT.encode(spec)],
+                            purpose="reference buffer builds")
 
     # ------------------------------------------------------------------------------------------
     # Routing plan
@@ -386,7 +387,6 @@ class ReferenceBackend(DispatchBackend):
         data = [rows, scales] if is_fp8 else [rows]
         num_tokens = topk_idx.shape[0]
         num_local_experts = num_experts // self.group_size
-        device = topk_idx.device
 
         token, returned_row, send_counts, owner_rows, slot_rows = self._plan_send(topk_idx, num_experts, host_sync)
         src_index = self.rank * self.spec.num_max_tokens_per_rank + token
@@ -432,8 +432,9 @@ class ReferenceBackend(DispatchBackend):
             out_idx, num_recv_rows = recv_local_idx, int(recv_local_idx.shape[0])
 
         # The counts are computed anyway: the routing plan and the host list are built from them.
-        handle = DispatchHandle(self, config, plan, num_tokens, topk_idx.shape[1], num_recv_rows,
-                                device_counts=(tokens_per_expert, num_valid_rows), host_counts=tokens_per_expert_list)
+        handle = DispatchHandle(self, config, plan, num_tokens=num_tokens, num_topk=topk_idx.shape[1],
+                                num_recv_rows=num_recv_rows, device_counts=(tokens_per_expert, num_valid_rows),
+                                host_counts=tokens_per_expert_list)
         return DispatchResult(recv_x, out_idx, recv_weights, handle)
 
     def _send_exact(

@@ -436,6 +436,11 @@ class Installer:
             with open(self._state_path, "w", encoding="utf-8") as state:
                 json.dump(self._state, state, indent=2, sort_keys=True)
 
+    def _probe(self, *, import_deep_ep: bool) -> dict[str, Any]:
+        """What a fresh interpreter of this environment reports (``System.probe_python``), importing ``deep_ep`` or
+        not."""
+        return self.system.probe_python(self.system.python, import_deep_ep, self.system.env)
+
     def _execute(self, step: str, cmd: list[str], env: Optional[dict[str, str]] = None, cwd: Optional[str] = None,
                  log_name: Optional[str] = None) -> None:
         """Runs one command of a step (only prints it in a dry run); a non-zero exit is the step's failure."""
@@ -542,7 +547,7 @@ class Installer:
 
     def _step_nccl(self) -> str:
         minimum = self.plan.line.min_nccl
-        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        probe = self._probe(import_deep_ep=False)
         loaded = tuple(probe.get("nccl") or ())
         mapped = probe.get("mapped") or []
         if loaded and loaded >= minimum and len(mapped) == 1:
@@ -630,7 +635,7 @@ class Installer:
                     "NCCL keeps its ABI across 2.x). Undo: %s", requirement, undo)
         if self.options.dry_run:
             return f"{found}; would install {requirement}"
-        after = self.system.probe_python(self.system.python, False, self.system.env)
+        after = self._probe(import_deep_ep=False)
         mapped = after.get("mapped") or []
         version = tuple(after.get("nccl") or ())
         if not mapped or version < self.plan.line.min_nccl:
@@ -813,7 +818,7 @@ class Installer:
         elif self.plan.nccl_kind == "registry":
             nccl["package"] = self.plan.nccl_package
         installed = self.system.distribution("deep_ep") or {}
-        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        probe = self._probe(import_deep_ep=False)
         manifest = {"arch": self.plan.arch, "line": self.plan.line.name, "deep_ep_version": self.plan.version,
                     "deep_ep_installed_version": installed.get("version"),
                     "deep_ep_fingerprint": self._deep_ep_fingerprint(),
@@ -844,7 +849,7 @@ class Installer:
                                f"{'sm_' + arch if arch else 'not visible'}: build on (or for) this GPU with "
                                "--deepep-src")
         self.plan.arch = arch
-        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        probe = self._probe(import_deep_ep=False)
         for key, what in (("python", "Python"), ("torch", "PyTorch"), ("cuda", "PyTorch's CUDA")):
             if manifest.get(key) and probe.get(key) and manifest[key] != probe[key]:
                 raise InstallError("wheels", f"the wheels were built with {what} {manifest[key]}; this environment "
@@ -943,7 +948,7 @@ class Installer:
 
     def _check_torch_loads(self, library: str, step: str, cause: str) -> None:
         """Raises unless a fresh interpreter's PyTorch maps exactly ``library`` as its NCCL."""
-        probe = self.system.probe_python(self.system.python, False, self.system.env)
+        probe = self._probe(import_deep_ep=False)
         expected = os.path.realpath(library)
         mapped = [os.path.realpath(p) for p in probe.get("mapped") or []]
         if mapped != [expected]:
@@ -969,7 +974,7 @@ class Installer:
     def _step_verify(self) -> str:
         if self.options.dry_run:
             return "skipped (dry run)"
-        probe = self.system.probe_python(self.system.python, True, self.system.env)
+        probe = self._probe(import_deep_ep=True)
         if "error" in probe:
             raise InstallError("verify", f"a fresh Python cannot import deep_ep: {probe['error']}")
         buffer = self.plan.line.buffer_class
@@ -988,8 +993,8 @@ class Installer:
     def _step_doctor(self) -> Any:
         if self.options.dry_run or not self.options.run_doctor:
             return "skipped"
-        done = self.system.run([self.system.python, "-m", "megatron_deepepv2.cli.doctor"], self.system.env, None, None)
-        return done
+        doctor = [self.system.python, "-m", "megatron_deepepv2.cli.doctor"]
+        return self.system.run(doctor, self.system.env, None, None)  # in this directory, its output to ours
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -77,7 +77,7 @@ class _DeepepV2Manager(_DispatchManager):
         self.router_dtype = config.moe_router_dtype
         self.capacity_factor = config.moe_expert_capacity_factor
         self.dispatch_config = dispatch_config_for(config)
-        self.dispatcher = ops.bind(self.dispatch_config, group, num_experts)
+        self.binding = ops.bind(self.dispatch_config, group, num_experts)
         #: None = dropless. Read at every dispatch: Megatron's over-budget rerun sets it to None, then restores it.
         self.moe_expert_rank_capacity_factor: Optional[float] = getattr(config, "moe_expert_rank_capacity_factor", None)
         self._bound_slot: Optional[bounded_receive.BoundSlot] = None
@@ -117,8 +117,9 @@ class _DeepepV2Manager(_DispatchManager):
                 logger.warning("deepepv2 dispatches fp32 probs; set --moe-router-dtype fp32 to avoid a cast.")
                 _warned_low_precision_probs = True
             self.token_probs = self.token_probs.float()
+        # apply() takes no keywords: (x, topk_weights, binding, topk_idx, scales: None for BF16 rows, streams).
         recv_x, self.dispatched_probs, _, self.dispatched_indices, self.handle = ops.DispatchFunction.apply(
-            hidden_states.contiguous(), self.token_probs, self.dispatcher, self.token_indices, None, SYNC)
+            hidden_states.contiguous(), self.token_probs, self.binding, self.token_indices, None, SYNC)
         if self.dispatch_config.host_sync:  # the counts are on the host already: the dispatch read them
             self.tokens_per_expert = torch.tensor(self.handle.tokens_per_expert_list, dtype=torch.int64)
         else:

@@ -30,6 +30,7 @@ from megatron_deepepv2.backends.deepep.backend import DeepEPBackend
 from megatron_deepepv2.layout import ExpertLayout
 from megatron_deepepv2.backends.reference import ReferenceBackend
 from megatron_deepepv2.config import DeepepV2Settings  # noqa: E402
+from megatron_deepepv2.groups import state_of  # noqa: E402
 from megatron_deepepv2.testing.moe_model import capture_layer_step, layer_step  # noqa: E402
 from tools._bench import median_us  # noqa: E402
 from tests.functional.runner import RANK, CaseRegistry, exact, log  # noqa: E402
@@ -65,7 +66,7 @@ def layouts_match_reference() -> None:
     settings = DeepepV2Settings(deterministic=True, num_sms=0)  # num_sms=0: DeepEP's choice
     for fp8 in (False, True):
         spec = BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=t_max, settings=settings, fp8=fp8)
-        deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
+        deepep, reference = DeepEPBackend(state_of(group), spec), ReferenceBackend(state_of(group), spec)
         try:
             for layout in (ExpertLayout.COMPACT, ExpertLayout.EXPAND):
                 for alignment in (1, 128):
@@ -110,7 +111,7 @@ def nondeterministic_mode_matches_after_canonical_sort() -> None:
     world, group = dist.get_world_size(), dist.group.WORLD
     hidden, experts, topk = 1024, 32, 8
     spec = BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=1024, settings=DeepepV2Settings(num_sms=0))
-    deepep, reference = DeepEPBackend(group, spec), ReferenceBackend(group, spec)
+    deepep, reference = DeepEPBackend(state_of(group), spec), ReferenceBackend(state_of(group), spec)
     config = DispatchConfig(DeepEPBackend)
     try:
         x, idx, w = make_routing(tokens_for_rank(world, 500), hidden, experts, topk, seed=11 + RANK)
@@ -350,8 +351,8 @@ def sync_free_deterministic_order_equals_deepeps_sort() -> None:
     world, group = dist.get_world_size(), dist.group.WORLD
     hidden, experts, topk, t_max = 1024, 32, 8, 1024
     settings = DeepepV2Settings(deterministic=True, host_sync=False, num_sms=0)
-    ours = DeepEPBackend(group, BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=t_max,
-                                           settings=settings))
+    spec = BufferSpec(hidden=hidden, num_topk=topk, num_max_tokens_per_rank=t_max, settings=settings)
+    ours = DeepEPBackend(state_of(group), spec)
     deep_ep = sys.modules["deep_ep"]
     theirs = getattr(deep_ep, ours.line.buffer_class)(
         group, **buffer_size_arguments(t_max, hidden, topk), deterministic=True, allow_hybrid_mode=False,

@@ -317,13 +317,13 @@ def test_on_the_real_package_a_root_stands_on_the_top_floor_of_what_it_reaches(t
 #: (its build is the registered subclass's, ``backends.deepep.backend``, which the package's top module imports).
 DISPATCH_ROOTS = "mcore.manager,backends.deepep.adapter"
 #: The most code lines (not blank, not only a comment, not a docstring) the modules a dispatch reaches may hold.
-DISPATCH_CODE_LINES = 1_896
+DISPATCH_CODE_LINES = 1_894
 #: What only DeepEP's buffer build reaches: no dispatch imports it (nor DeepEP's buffer arithmetic, ``sizing``, which
 #: only the tests and tools read).
 DEEPEP_BUILD = ("backends.deepep.backend", "backends.deepep.lines", "backends.deepep.probes",
                 "backends.deepep.topology")
 #: The most code lines the DeepEP build reaches beyond what a dispatch reaches.
-DEEPEP_BUILD_CODE_LINES = 397
+DEEPEP_BUILD_CODE_LINES = 398
 
 
 def _reached(roots: str, tmp_path: Path, capsys: pytest.CaptureFixture, *limits: str) -> list[str]:
@@ -362,6 +362,23 @@ def test_the_deepep_build_stands_apart_from_the_dispatch_and_is_counted_too(tmp_
     build = _reached("backends.deepep.backend", tmp_path, capsys, "--max-arrows-up", "0")
     assert {"backends.deepep.adapter", *DEEPEP_BUILD} <= set(build), build
     assert _code_lines([name for name in build if name not in dispatch], tmp_path) <= DEEPEP_BUILD_CODE_LINES
+
+
+#: What a backend may import beyond the backends themselves: the neutral core of the package root.
+BACKEND_MAY_IMPORT = {"config", "groups", "agreement", "failures", "layout", "fp8", "kernels"}
+
+
+def test_backends_stand_on_the_neutral_core_only(tmp_path, capsys):
+    """Every module under ``backends/`` reaches only backends and the neutral core (:data:`BACKEND_MAY_IMPORT`):
+    never ``ops``, ``buffers``, ``validation``, ``expert_ids``, ``mcore``, ``cli`` or ``testing``, which stand on
+    the backends."""
+    package = ROOT / "megatron_deepepv2"
+    modules = sorted(".".join(path.relative_to(package).with_suffix("").parts)
+                     for path in (package / "backends").rglob("*.py") if path.name != "__init__.py")
+    assert {"backends.base", "backends.reference", "backends.deepep.backend"} <= set(modules), modules
+    reached = set(_reached(",".join(modules), tmp_path, capsys, "--max-arrows-up", "0"))
+    beyond = {name for name in reached if name.split(".")[0] != "backends" and name not in BACKEND_MAY_IMPORT}
+    assert not beyond, f"backends import {sorted(beyond)}"
 
 
 #: The command-line tools: the cli subpackage.

@@ -25,7 +25,7 @@ def _synthetic() -> list[dict]:
         _event("user_annotation", "ProfilerStep#5", 0, 1000),
         _event("user_annotation", "ProfilerStep#6", 1000, 1000),
         _event("python_function", "/x/megatron/core/transformer/moe/moe_layer.py(10): forward", 10, 900),
-        _event("python_function", "/x/megatron_deepepv2/manager.py(20): dispatch", 50, 400),
+        _event("python_function", "/x/megatron_deepepv2/mcore/manager.py(20): dispatch", 50, 400),
         _event("python_function", "<built-in method synchronize>", 60, 300),
         _event("cuda_runtime", "cudaStreamSynchronize", 100, 150),
         _event("cuda_runtime", "cudaLaunchKernel", 500, 5),
@@ -46,11 +46,12 @@ def test_steps_gpu_busy_syncs_and_their_sites_from_a_synthetic_trace() -> None:
     assert summary["kernels"] == 1.5 and summary["syncs"] == 1.5
     assert summary["sync_wait_ms"] == 0.12  # (150 + 50 + 40) us over two steps
     sites = summary["sync_sites"]
-    assert sites["cudaStreamSynchronize @ moe/moe_layer.py(10): forward > megatron_deepepv2/manager.py(20): dispatch"] \
+    # A frame is named by the last two parts of its path.
+    assert sites["cudaStreamSynchronize @ moe/moe_layer.py(10): forward > mcore/manager.py(20): dispatch"] \
         == {"calls": 0.5, "ms": 0.075}
     assert sites["cudaEventSynchronize @ moe/experts.py(30): forward"] == {"calls": 0.5, "ms": 0.025}
     assert sites["cudaDeviceSynchronize @ (no Python frame)"] == {"calls": 0.5, "ms": 0.02}
-    assert summary["python"]["megatron_deepepv2/manager.py(20): dispatch"] == {"calls": 0.5, "ms": 0.2}
+    assert summary["python"]["mcore/manager.py(20): dispatch"] == {"calls": 0.5, "ms": 0.2}
     assert "<built-in method synchronize>" not in summary["python"]
 
 

@@ -245,22 +245,22 @@ def test_what_the_ranks_agree_on_is_the_contracts_then_the_backends_own() -> Non
     from megatron_deepepv2.config import DeepepV2Settings
     from megatron_deepepv2.agreement import AgreedField
 
-    assert [agreed.name for agreed in BUILD_AGREEMENT] == ["hidden size", "top-k", "FP8"]
+    assert [field.name for field in BUILD_AGREEMENT] == ["hidden size", "top-k", "FP8"]
     assert DispatchBackend.extra_agreement == () and ReferenceBackend.extra_agreement == ()
     off = DeepepV2Settings(allow_hybrid_mode=False)
     assert BufferSpec(8, 2, 0, off, backend=ReferenceBackend).key == (8, 2, False)
     assert BufferSpec(8, 2, 0, backend=ReferenceBackend).key == (8, 2, False)
     assert BufferSpec(8, 2, 0, off, backend=DeepEPBackend).key == (8, 2, False, False)
     spec = BufferSpec(8, 2, 0, backend=DeepEPBackend)
-    assert [agreed.name for agreed in spec.agreed] == ["hidden size", "top-k", "FP8", "allow_hybrid_mode"]
-    assert spec.key == (8, 2, False, None) and [agreed.encode(spec) for agreed in spec.agreed] == [8, 2, 0, -1]
-    assert BufferSpec(8, 2, 0, off).agreed == BUILD_AGREEMENT and BufferSpec(8, 2, 0, off).key == (8, 2, False)
+    assert [field.name for field in spec.agreed_fields] == ["hidden size", "top-k", "FP8", "allow_hybrid_mode"]
+    assert spec.key == (8, 2, False, None) and [field.encode(spec) for field in spec.agreed_fields] == [8, 2, 0, -1]
+    assert BufferSpec(8, 2, 0, off).agreed_fields == BUILD_AGREEMENT and BufferSpec(8, 2, 0, off).key == (8, 2, False)
 
     class WithTimeout(ReferenceBackend):  # not registered: a class of its own, as a new backend is
         extra_agreement = (AgreedField("growth timeout", lambda spec: spec.settings.growth_timeout_s),)
 
     spec = BufferSpec(8, 2, 0, DeepepV2Settings(growth_timeout_s=5.0), backend=WithTimeout)
-    assert spec.key == (8, 2, False, 5.0) and [agreed.encode(spec) for agreed in spec.agreed] == [8, 2, 0, 5]
+    assert spec.key == (8, 2, False, 5.0) and [field.encode(spec) for field in spec.agreed_fields] == [8, 2, 0, 5]
 
 
 def _hybrid_setting_worker(rank: int, world: int) -> tuple:
@@ -272,3 +272,26 @@ def _hybrid_setting_worker(rank: int, world: int) -> tuple:
 
 def test_a_deepep_setting_keeps_no_reference_buffers_apart() -> None:
     assert run_distributed(_hybrid_setting_worker, 2) == [((8, 2, False), 1), ((8, 2, False), 1)]
+
+
+def _unlike_limits_worker(rank: int, world: int) -> tuple[str, str]:
+    # Built directly, as buffers.get_buffer would never build them: rank 1 sized for twice the tokens.
+    from megatron_deepepv2.backends.base import BufferSpec
+    from megatron_deepepv2.backends.reference import ReferenceBackend
+    from megatron_deepepv2.groups import state_of
+
+    try:
+        ReferenceBackend(state_of(torch.distributed.group.WORLD),
+                         BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=16 * (rank + 1)))
+    except ValueError as error:
+        return type(error).__name__, str(error)
+    return "built", ""
+
+
+def test_reference_buffers_sized_for_unlike_token_limits_raise_on_every_rank_naming_them() -> None:
+    """The reference backend's construction is collective and agrees on the token limit: ranks that size a buffer
+    for different limits raise together, each rank's limit named, instead of exchanging rows at unlike offsets."""
+    for kind, message in run_distributed(_unlike_limits_worker, 2, timeout=60):
+        assert kind == "ValueError", (kind, message)
+        assert "reference buffer builds" in message and "num_max_tokens_per_rank differ" in message, message
+        assert "rank 0: num_max_tokens_per_rank 16" in message and "rank 1: num_max_tokens_per_rank 32" in message

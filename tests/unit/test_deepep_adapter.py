@@ -7,14 +7,12 @@ compared with the dense oracle of :mod:`tests.stand_in`. Real ElasticBuffer runs
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
-from tests.deepep_stand_in import (STAND_INS, EventOverlap, group_of, in_dense_order, install_deep_ep,
-                                   use_stand_in_backend)
+from megatron_deepepv2.groups import state_of
+from tests.deepep_stand_in import (DEEPEP_V1_EXPORTS, STAND_INS, EventOverlap, group_of, in_dense_order,
+                                   install_deep_ep, install_fake_deep_ep, use_stand_in_backend)
 from tests.distributed import run_distributed
 from tests.oracle import dense_step, experts_on_compact, experts_on_expand, make_problem
 from tests.stand_in import DenseExchange
@@ -36,7 +34,7 @@ def _adapter_worker(rank: int, world: int, line: str) -> None:
     DeepEPBackend.device_counts = lambda self, handle: derived.append(1) or count_from_psum(self, handle)
     spec = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=32, settings=DeepepV2Settings(num_sms=23))
     sms = 24 if line == "V2.5" else 23  # V2.5 runs an even count; the backend rounds it itself
-    backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    backend, reference = DeepEPBackend(state_of(group_of()), spec), ReferenceBackend(state_of(group_of()), spec)
     assert isinstance(backend.ep_buffer, stand_in) and backend.line.num_sms(23) == sms
     assert backend.ep_buffer.ctor["allow_hybrid_mode"] is False  # single node -> direct mode
     problem = make_problem(41, [7, 0, 5, 9][:world], 8, 8, 3, dtype=torch.float32)
@@ -132,7 +130,7 @@ def _deterministic_algorithms_worker(rank: int, world: int, line: str) -> None:
     settings = DeepepV2Settings(num_sms=24, deterministic=True, host_sync=True, num_max_tokens_per_rank=16)
     spec = BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=16, settings=settings)
     config = DispatchConfig(DeepEPBackend, settings, ExpertLayout.EXPAND, expert_alignment=2)
-    backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    backend, reference = DeepEPBackend(state_of(group_of()), spec), ReferenceBackend(state_of(group_of()), spec)
     assert backend.ep_buffer.ctor["deterministic"] is False  # the backend orders the rows itself
     problem = make_problem(43, [5, 3], 8, 4, 2, dtype=torch.float32)
     rows = problem.rows(rank)
@@ -167,10 +165,7 @@ def test_adapter_plumbing_against_strict_stand_in(line: str) -> None:
 def test_adapter_reports_deepep_v1_and_import_failures(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_deepepv2.backends.deepep.probes import import_deep_ep
 
-    v1 = types.ModuleType("deep_ep")
-    v1.__version__ = "1.2.1"
-    v1.Buffer = object
-    monkeypatch.setitem(sys.modules, "deep_ep", v1)
+    install_fake_deep_ep(monkeypatch, **DEEPEP_V1_EXPORTS)
     with pytest.raises(ImportError, match="deep_ep 1.2.1 .* has Buffer but neither ElasticBuffer .* it is DeepEP v1"):
         import_deep_ep()
 
@@ -184,7 +179,7 @@ def _caller_reuses_topk_idx(rank: int, world: int) -> str:
     from megatron_deepepv2.backends.reference import ReferenceBackend
 
     spec, config = BufferSpec(hidden=8, num_topk=3, num_max_tokens_per_rank=16), DispatchConfig(DeepEPBackend)
-    backend, reference = DeepEPBackend(group_of(), spec), ReferenceBackend(group_of(), spec)
+    backend, reference = DeepEPBackend(state_of(group_of()), spec), ReferenceBackend(state_of(group_of()), spec)
     problem = make_problem(44, [6, 5], 8, 8, 3, dtype=torch.float32)
     rows = problem.rows(rank)
     x, idx, w = problem.x[rows], problem.topk_idx[rows].clone(), problem.topk_weights[rows]
@@ -222,7 +217,7 @@ def _backend_order_worker(rank: int, world: int, line: str) -> int:
     from megatron_deepepv2.config import DeepepV2Settings
 
     oracle = DenseExchange(group_of(), CAPACITY)
-    backends = {hybrid: DeepEPBackend(group_of(), BufferSpec(
+    backends = {hybrid: DeepEPBackend(state_of(group_of()), BufferSpec(
         hidden=HIDDEN, num_topk=TOPK, num_max_tokens_per_rank=CAPACITY,
         settings=DeepepV2Settings(allow_hybrid_mode=hybrid))) for hybrid in (False, True)}
     assert not any(b.ep_buffer.ctor["deterministic"] for b in backends.values())
@@ -347,7 +342,8 @@ def _scrambled_worker(rank: int, world: int, line: str) -> None:
     from megatron_deepepv2.layout import ExpertLayout
     from megatron_deepepv2.config import DeepepV2Settings
 
-    backend = DeepEPBackend(group_of(), BufferSpec(hidden=HIDDEN, num_topk=TOPK, num_max_tokens_per_rank=CAPACITY))
+    spec = BufferSpec(hidden=HIDDEN, num_topk=TOPK, num_max_tokens_per_rank=CAPACITY)
+    backend = DeepEPBackend(state_of(group_of()), spec)
     oracle = DenseExchange(group_of(), CAPACITY)
     problem = _order_problem(3, [6, 9])
     rows = problem.rows(rank)

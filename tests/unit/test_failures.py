@@ -48,7 +48,7 @@ def _install(cls: type, method: str, action: Callable[[object], None]) -> None:
     original = getattr(cls, method)
 
     def patched(self, *args, **kwargs):
-        action(args[0] if method == "__init__" else self.group)
+        action(args[0].group if method == "__init__" else self.group)  # a build's first argument: the group's state
         return original(self, *args, **kwargs)
 
     setattr(cls, method, patched)

@@ -15,6 +15,7 @@ from typing import Optional
 import pytest
 
 from megatron_deepepv2.backends.deepep import topology
+from megatron_deepepv2.groups import state_of
 from megatron_deepepv2.backends.deepep.topology import (GIN_VARIABLE, NODE_ID_VARIABLE, decide_gin, launch_num_nodes,
                                         set_gin_variable)
 from tests.distributed import run_distributed
@@ -134,7 +135,7 @@ def _gin_at_build(rank: int, world: int, nodes: Optional[list[str]], nics: list[
 
     buffer_class.__init__ = recording_build
     try:
-        backend = DeepEPBackend(group_of(), BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=8))
+        backend = DeepEPBackend(state_of(group_of()), BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=8))
     except RuntimeError as error:
         assert not seen, "the buffer was built before the error"
         return None, str(error)

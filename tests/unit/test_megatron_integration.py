@@ -528,10 +528,10 @@ def _copy_after_a_step(rank: int, world: int) -> dict:
 
     layer = build_moe_layer(TinyMoEConfig(), "deepepv2")
     _forward_backward(layer, torch.randn(6, 1, layer.config.hidden_size, generator=torch.Generator().manual_seed(rank)))
-    from megatron_deepepv2.groups import known_groups, state_of
+    from megatron_deepepv2.groups import known_states
 
     resolved = dispatch_config_for(layer.config)
-    bound = [key for group in known_groups() for key in state_of(group).dispatchers]
+    bound = [key for state in known_states() for key in state.bindings]
     assert any(key[0] is resolved for key in bound), "the step should have bound a dispatcher"
     copied = copy.deepcopy(layer.config)
     restored = pickle.loads(pickle.dumps(layer.config))

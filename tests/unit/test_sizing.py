@@ -114,9 +114,6 @@ def test_layer_memory_of_deepseek_v3_at_ep8() -> None:
 
 def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend passes the constructor what :func:`buffer_size_arguments` says, whatever the spec's FP8 flag."""
-    import sys
-    import types
-
     import torch.distributed as dist
 
     from megatron_deepepv2.backends.base import BufferSpec
@@ -124,17 +121,9 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     from megatron_deepepv2.backends.deepep import backend
     from megatron_deepepv2 import groups
     from megatron_deepepv2.config import DeepepV2Settings
+    from tests.deepep_stand_in import install_recording_deep_ep
 
-    built = []
-
-    class Recorder:
-        def __init__(self, group, **kwargs) -> None:
-            built.append(kwargs)
-
-    module = types.ModuleType("deep_ep")
-    module.ElasticBuffer = Recorder
-    module.__version__ = "2.1.0-fake"
-    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    built = install_recording_deep_ep(monkeypatch)
     monkeypatch.setattr(backend, "ensure_nccl_communicator", lambda group: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
@@ -142,8 +131,8 @@ def test_deepep_backend_builds_bf16_sized_buffers_for_fp8_dispatch(monkeypatch: 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(groups, "_states", {})  # the stand-in group's state is dropped with it
     settings = DeepepV2Settings(fp8_dispatch=True, allow_hybrid_mode=False)
-    DeepEPBackend(object(), BufferSpec(hidden=7168, num_topk=8, num_max_tokens_per_rank=4096, settings=settings,
-                                       fp8=True))
+    DeepEPBackend(groups.state_of(object()), BufferSpec(hidden=7168, num_topk=8, num_max_tokens_per_rank=4096,
+                                                        settings=settings, fp8=True))
     (kwargs,) = built
     assert kwargs["use_fp8_dispatch"] is False
     assert (kwargs["num_max_tokens_per_rank"], kwargs["hidden"], kwargs["num_topk"]) == (4096, 7168, 8)

@@ -15,6 +15,7 @@ from typing import Optional
 import pytest
 
 from megatron_deepepv2.backends.deepep.topology import NODE_ID_VARIABLE, local_node_id, node_layout
+from megatron_deepepv2.groups import state_of
 from tests.distributed import run_distributed
 
 
@@ -98,14 +99,14 @@ def _gathered_decisions(rank: int, world: int, nodes: list[str]) -> dict:
     gathers = []
     gather = dist.all_gather_object
     dist.all_gather_object = lambda *args, **kwargs: gathers.append(1) or gather(*args, **kwargs)
-    first = topology.choose_hybrid_mode(dist.group.WORLD, None)
-    again = topology.choose_hybrid_mode(dist.group.WORLD, None)  # cached: no second gather
-    forced = topology.choose_hybrid_mode(dist.group.WORLD, not first[0])  # the setting wins, without a gather
+    first = topology.choose_hybrid_mode(state_of(dist.group.WORLD), None)
+    again = topology.choose_hybrid_mode(state_of(dist.group.WORLD), None)  # cached: no second gather
+    forced = topology.choose_hybrid_mode(state_of(dist.group.WORLD), not first[0])  # the setting wins, without a gather
     gathers_on_world = len(gathers)
-    ids = topology.group_node_ids(dist.group.WORLD)
+    ids = topology.group_node_ids(state_of(dist.group.WORLD))
     # A new group over ranks 0 and 2 gathers once more, in its own rank order.
     pair = dist.new_group([0, 2])
-    pair_choice = topology.choose_hybrid_mode(pair, None) if rank in (0, 2) else None
+    pair_choice = topology.choose_hybrid_mode(state_of(pair), None) if rank in (0, 2) else None
     return dict(first=first, again=again, forced=forced, ids=list(ids), gathers_on_world=gathers_on_world,
                 gathers=len(gathers), pair=pair_choice)
 
@@ -138,7 +139,7 @@ def _refusal(rank: int, world: int, nodes: list[str]) -> str:
 
     os.environ[NODE_ID_VARIABLE] = nodes[rank]
     try:
-        topology.choose_hybrid_mode(dist.group.WORLD, None)
+        topology.choose_hybrid_mode(state_of(dist.group.WORLD), None)
     except ValueError as error:
         return str(error)
     return "no error"
@@ -172,7 +173,7 @@ def _backend_mode(rank: int, world: int, nodes: Optional[list[str]], setting: Op
                       settings=DeepepV2Settings(allow_hybrid_mode=setting))
     warned: list[str] = []
     deepep_backend.logger.warning = lambda message, *args: warned.append(message)
-    backend = DeepEPBackend(group_of(), spec)
+    backend = DeepEPBackend(state_of(group_of()), spec)
     try:
         return backend.ep_buffer.ctor["allow_hybrid_mode"], any("hybrid mode" in message for message in warned)
     finally:

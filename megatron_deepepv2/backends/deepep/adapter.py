@@ -14,7 +14,6 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_deepepv2.backends.base import (SYNC, BackendLimits, BufferSpec, CombineOutput, DispatchBackend,
                                              DispatchConfig, DispatchHandle, DispatchResult, Streams)
@@ -23,6 +22,7 @@ from megatron_deepepv2.layout import ExpertLayout, HiddenStates, align_up, split
 
 if TYPE_CHECKING:
     from megatron_deepepv2.backends.deepep.lines import DeepEPLine
+    from megatron_deepepv2.groups import GroupState
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ class DeepEPAdapter(DispatchBackend):
     """Dispatch/combine over a built DeepEP v2 buffer (NVLink; NCCL GIN across nodes).
 
     Args:
-        group: NCCL process group of the expert-parallel ranks.
+        state: The state of the expert-parallel group, an NCCL group.
         spec: What the buffer was built for.
-        ep_buffer: DeepEP's buffer, built on ``group`` for ``spec``; :meth:`destroy` destroys it.
+        ep_buffer: DeepEP's buffer, built on the group for ``spec``; :meth:`destroy` destroys it.
         line: The DeepEP line the buffer belongs to.
     """
 
@@ -62,8 +62,8 @@ class DeepEPAdapter(DispatchBackend):
         combine_hidden_multiple=256,  # combine kernel static assert kHidden % 256
         fp8_hidden_multiple=32, max_topk=32, requires_cuda=True)  # FP8: TMA needs hidden bytes % 32
 
-    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec, ep_buffer: Any, line: DeepEPLine) -> None:
-        super().__init__(group, spec)
+    def __init__(self, state: GroupState, spec: BufferSpec, ep_buffer: Any, line: DeepEPLine) -> None:
+        super().__init__(state, spec)
         self.ep_buffer, self.line = ep_buffer, line
         self._call_kwargs: dict[tuple, dict[str, Any]] = {}  # see _kwargs
 
@@ -127,8 +127,8 @@ class DeepEPAdapter(DispatchBackend):
         recv_x, recv_idx, recv_weights, native = self._call(
             self.ep_buffer.dispatch, streams, x, topk_idx=topk_idx, topk_weights=topk_weights,
             **self._kwargs("fresh", config, num_experts, streams))
-        handle = DispatchHandle(self, config, native, topk_idx.shape[0], topk_idx.shape[1],
-                                split_hidden(recv_x)[0].shape[0])
+        handle = DispatchHandle(self, config, native, num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
+                                num_recv_rows=split_hidden(recv_x)[0].shape[0])
         if config.settings.deterministic:
             recv_x, recv_idx, recv_weights, handle.receive_order = order_received(
                 recv_x, recv_idx, recv_weights, native, handle.num_topk, config.layout, host_sync=config.host_sync,

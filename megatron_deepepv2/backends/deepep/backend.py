@@ -22,7 +22,7 @@ from megatron_deepepv2.backends.deepep.probes import (deepep_unavailable_reason,
                                                       import_deep_ep)
 from megatron_deepepv2.backends.deepep.topology import HYBRID_MODE_FIELD, choose_hybrid_mode, set_gin_variable_for_group
 from megatron_deepepv2.backends.registry import register_backend
-from megatron_deepepv2.groups import collective_device
+from megatron_deepepv2.groups import GroupState, collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +87,10 @@ def log_buffer_built(line: DeepEPLine, hybrid: bool, why: str) -> None:
 
 @register_backend
 class DeepEPBackend(DeepEPAdapter):
-    """The ``deepep`` backend: DeepEP v2's buffer, built on construction (collective over ``group``).
+    """The ``deepep`` backend: DeepEP v2's buffer, built on construction (collective over the group).
 
     Args:
-        group: NCCL process group of the expert-parallel ranks.
+        state: The state of the expert-parallel group, an NCCL group.
         spec: Buffer shape key; ``num_max_tokens_per_rank`` must be the same on every rank.
 
     Raises:
@@ -101,20 +101,20 @@ class DeepEPBackend(DeepEPAdapter):
     auto_preference: ClassVar[int] = 0
     extra_agreement = (HYBRID_MODE_FIELD,)  # construction arguments from the settings
 
-    def __init__(self, group: dist.ProcessGroup, spec: BufferSpec) -> None:
+    def __init__(self, state: GroupState, spec: BufferSpec) -> None:
         deep_ep = import_deep_ep()
         line = line_of_module(deep_ep)
-        ensure_nccl_communicator(group)  # before DeepEP reads it
-        allow_hybrid, why = choose_hybrid_mode(group, spec.settings.allow_hybrid_mode)
-        set_gin_variable_for_group(group)  # DeepEP reads EP_DISABLE_GIN when the buffer is built: decided before
+        ensure_nccl_communicator(state.group)  # before DeepEP reads it
+        allow_hybrid, why = choose_hybrid_mode(state, spec.settings.allow_hybrid_mode)
+        set_gin_variable_for_group(state)  # DeepEP reads EP_DISABLE_GIN when the buffer is built: decided before
         buffer_class = getattr(deep_ep, line.buffer_class)
         # Sized for BF16 rows even with FP8 dispatch: combine's backward sends BF16 rows through this buffer.
         ep_buffer = buffer_class(
-            group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
+            state.group, **buffer_size_arguments(spec.num_max_tokens_per_rank, spec.hidden, spec.num_topk),
             deterministic=False, allow_hybrid_mode=allow_hybrid,  # deterministic mode: receive_order sorts
             allow_multiple_reduction=True, explicitly_destroy=True)  # multiple reduction: expand combine with weights
         log_buffer_built(line, allow_hybrid, why)
-        super().__init__(group, spec, ep_buffer, line)
+        super().__init__(state, spec, ep_buffer, line)
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:

@@ -176,6 +176,8 @@ def order_received(recv_x: HiddenStates, recv_idx: Optional[torch.Tensor], recv_
         return recv_x, recv_idx, recv_weights, receive_order
     rows, scales = split_hidden(recv_x)
     if host_sync:  # a cached dispatch has no host sync in DeepEP either
+        # DeepEP's binding, positional: (do_cpu_sync, is_cached_dispatch, recv_x, recv_sf, recv_topk_idx,
+        # recv_topk_weights, channel_linked_list).
         native.deterministic_sort(not cached, cached, rows, scales, recv_idx, recv_weights, native.channel_linked_list)
         return recv_x, recv_idx, recv_weights, receive_order
     check_handle_layout(native, num_topk, layout)

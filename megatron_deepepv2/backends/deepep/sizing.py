@@ -68,8 +68,8 @@ class Topology:
             domain of every rank, over NVLink only when the group is one node.
         """
         if allow_hybrid_mode:
-            return cls(num_nodes, ranks_per_node, True)
-        return cls(1, num_nodes * ranks_per_node, num_nodes == 1)
+            return cls(num_scaleout_ranks=num_nodes, num_scaleup_ranks=ranks_per_node, scaleup_is_nvlink=True)
+        return cls(num_scaleout_ranks=1, num_scaleup_ranks=num_nodes * ranks_per_node, scaleup_is_nvlink=num_nodes == 1)
 
 
 def token_slot_bytes(hidden_bytes: int, sf_bytes: int, num_topk: int, with_metadata: bool) -> int:
@@ -238,7 +238,7 @@ def layer_memory(*, group_size: int, num_max_tokens_per_rank: int, hidden: int, 
     Returns:
         The layer's :class:`LayerMemory`.
     """
-    topology = topology or Topology(1, group_size, True)
+    topology = topology or Topology(num_scaleout_ranks=1, num_scaleup_ranks=group_size, scaleup_is_nvlink=True)
     local_experts = num_experts // group_size
     row_bytes = hidden * BF16_BYTES
     padding = local_experts * (expert_alignment - 1)
@@ -251,5 +251,6 @@ def layer_memory(*, group_size: int, num_max_tokens_per_rank: int, hidden: int, 
     if rank_capacity_factor is not None:
         kept_rows = min(receive_bound_rows(num_max_tokens_per_rank, num_topk, rank_capacity_factor, expert_alignment),
                         output_rows)
-    buffer = calculated_buffer_bytes(num_max_tokens_per_rank, hidden, num_topk, False, topology)
+    buffer = calculated_buffer_bytes(num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch=False,
+                                     topology=topology)
     return LayerMemory(buffer=buffer, received=kept_rows * row_bytes, transient=output_rows * row_bytes)

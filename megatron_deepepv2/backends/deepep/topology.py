@@ -41,7 +41,7 @@ from typing import Callable, Mapping, MutableMapping, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_deepepv2.agreement import AgreedField, yes_no
-from megatron_deepepv2.groups import known_groups, state_of
+from megatron_deepepv2.groups import GroupState
 
 #: Environment variable naming this process's NVLink domain, for clusters where hostnames do not (several hosts of one
 #: multi-node NVLink domain, or one host seen under several names). Read directly, not as a setting of
@@ -219,32 +219,32 @@ def node_layout(node_ids: Sequence[str]) -> NodeLayout:
     )
 
 
-def group_node_ids(group: dist.ProcessGroup) -> tuple[str, ...]:
-    """The node identity of every rank of ``group``, in group-rank order; collective the first time per group.
+def group_node_ids(state: GroupState) -> tuple[str, ...]:
+    """The node identity of every rank of the group of ``state``, in group-rank order; collective the first time per
+    group.
 
     The first call on a group gathers :func:`local_node_id` from its ranks (one small ``all_gather_object``, a host
     sync: call it where the ranks are already in step, as a buffer build is); later calls return the cached result.
 
     Args:
-        group: The process group; every rank of it must call this the first time.
+        state: The group's state, which keeps the identities; every rank of the group must call this the first time.
 
     Returns:
         One identity per group rank.
     """
-    state = state_of(group)  # the identities are kept in the group's state
     if state.node_ids is None:
         gathered: list[Optional[str]] = [None] * state.size
-        dist.all_gather_object(gathered, local_node_id(), group=group)
+        dist.all_gather_object(gathered, local_node_id(), group=state.group)
         state.node_ids = tuple(str(node) for node in gathered)
     return state.node_ids
 
 
-def choose_hybrid_mode(group: dist.ProcessGroup, override: Optional[bool]) -> tuple[bool, str]:
-    """DeepEP's ``allow_hybrid_mode`` for a buffer on ``group``, and why.
+def choose_hybrid_mode(state: GroupState, override: Optional[bool]) -> tuple[bool, str]:
+    """DeepEP's ``allow_hybrid_mode`` for a buffer on the group of ``state``, and why.
 
     Args:
-        group: The expert-parallel group. When ``override`` is None, every rank of it must call this (the first call
-            per group gathers the node identities, :func:`group_node_ids`).
+        state: The expert-parallel group's state. When ``override`` is None, every rank of the group must call this
+            (the first call per group gathers the node identities, :func:`group_node_ids`).
         override: The configured ``allow_hybrid_mode``; None decides from the group's layout (:func:`node_layout`).
 
     Returns:
@@ -257,7 +257,7 @@ def choose_hybrid_mode(group: dist.ProcessGroup, override: Optional[bool]) -> tu
     """
     if override is not None:
         return bool(override), f"allow_hybrid_mode={bool(override)} set"
-    layout = node_layout(group_node_ids(group))
+    layout = node_layout(group_node_ids(state))
     return layout.allow_hybrid_mode, layout.describe()
 
 
@@ -345,11 +345,13 @@ def decide_gin(num_nodes: int, environ: Optional[Mapping[str, str]] = None,
     environ = os.environ if environ is None else environ
     user_value = _user_value(environ)
     if user_value is not None:
-        return GinDecision(user_value, False, f"{GIN_VARIABLE}={user_value} set in the environment, kept")
+        return GinDecision(value=user_value, automatic=False,
+                           reason=f"{GIN_VARIABLE}={user_value} set in the environment, kept")
     devices = (rdma_devices or find_rdma_devices)()
     if devices:
         names = ", ".join(os.path.basename(device) for device in devices)
-        return GinDecision(None, False, f"RDMA devices: {names}; GIN on ({GIN_VARIABLE} unset)")
+        return GinDecision(value=None, automatic=False,
+                           reason=f"RDMA devices: {names}; GIN on ({GIN_VARIABLE} unset)")
     if num_nodes > 1:
         raise RuntimeError(
             f"DeepEP's ranks span {num_nodes} nodes, but this node has no RDMA NIC ({RDMA_DEVICE_DIR} is missing or "
@@ -358,8 +360,9 @@ def decide_gin(num_nodes: int, environ: Optional[Mapping[str, str]] = None,
             f"(InfiniBand or RoCE, listed under {RDMA_DEVICE_DIR}), or keep each expert-parallel group within one "
             f"node (an expert-parallel size of at most the GPUs of a node); set {GIN_VARIABLE} yourself to skip "
             "this check.")
-    return GinDecision("1", True, f"no RDMA NIC ({RDMA_DEVICE_DIR} is missing or empty): GIN off, {GIN_VARIABLE}=1 "
-                                  f"set automatically before DeepEP builds a buffer (set {GIN_VARIABLE} to override)")
+    return GinDecision(value="1", automatic=True,
+                       reason=f"no RDMA NIC ({RDMA_DEVICE_DIR} is missing or empty): GIN off, {GIN_VARIABLE}=1 "
+                              f"set automatically before DeepEP builds a buffer (set {GIN_VARIABLE} to override)")
 
 
 def set_gin_variable(num_nodes: int, environ: Optional[MutableMapping[str, str]] = None,
@@ -393,15 +396,15 @@ def set_gin_variable(num_nodes: int, environ: Optional[MutableMapping[str, str]]
     return decision
 
 
-def set_gin_variable_for_group(group: dist.ProcessGroup, environ: Optional[MutableMapping[str, str]] = None,
+def set_gin_variable_for_group(state: GroupState, environ: Optional[MutableMapping[str, str]] = None,
                                rdma_devices: Optional[Callable[[], Sequence[str]]] = None) -> GinDecision:
-    """:func:`set_gin_variable` for a buffer on ``group``, before DeepEP builds it; no collective.
+    """:func:`set_gin_variable` for a buffer on the group of ``state``, before DeepEP builds it; no collective.
 
     The nodes are the group's layout when its node identities were gathered already (:func:`choose_hybrid_mode`
     gathers them unless ``allow_hybrid_mode`` is set), else those of the launch (:func:`launch_num_nodes`).
 
     Args:
-        group: The expert-parallel group.
+        state: The expert-parallel group's state.
         environ: As for :func:`set_gin_variable`.
         rdma_devices: As for :func:`decide_gin`.
 
@@ -411,6 +414,5 @@ def set_gin_variable_for_group(group: dist.ProcessGroup, environ: Optional[Mutab
     Raises:
         RuntimeError: As :func:`decide_gin`: no RDMA NIC here and the group (or the launch) spans nodes.
     """
-    node_ids = state_of(group).node_ids if group in known_groups() else None
-    num_nodes = NodeLayout(node_ids).num_nodes if node_ids else launch_num_nodes(environ)
+    num_nodes = NodeLayout(state.node_ids).num_nodes if state.node_ids else launch_num_nodes(environ)
     return set_gin_variable(num_nodes, environ, rdma_devices)
