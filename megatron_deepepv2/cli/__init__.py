@@ -8,6 +8,7 @@
 * :mod:`.run` -- the launch entry for unchanged training scripts (installs the backend, then runs the script):
   ``python -m megatron_deepepv2.cli.run SCRIPT [ARGS...]``.
 
-These are the only commands: ``python -m megatron_deepepv2.cli.TOOL``. This file imports nothing: importing one tool
-runs no other.
+These are the only commands: ``python -m megatron_deepepv2.cli.TOOL``, also installed as ``megatron-deepepv2-TOOL``
+(``megatron-deepepv2-install-deepep``, ``-doctor``, ``-demo``, ``-run``). This file imports nothing: importing one
+tool runs no other.
 """

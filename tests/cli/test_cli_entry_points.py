@@ -1,12 +1,15 @@
 """The command-line tools live in ``megatron_deepepv2.cli``, the only place they run from (the old
-``python -m megatron_deepepv2.X`` commands are gone), and importing one tool loads no other tool and not Megatron."""
+``python -m megatron_deepepv2.X`` commands are gone), each also installed as a ``megatron-deepepv2-TOOL`` command, and
+importing one tool loads no other tool and not Megatron."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,23 @@ def test_each_command_prints_its_help_and_the_old_command_is_gone(tool: str) -> 
     text = new.stdout + new.stderr
     assert "usage:" in text, text[-2000:]
     assert importlib.util.find_spec(f"megatron_deepepv2.{tool}") is None
+
+
+def test_each_tool_is_an_installed_command_running_its_main() -> None:
+    """``[project.scripts]`` declares ``megatron-deepepv2-TOOL`` (``_`` read as ``-``) for each tool and nothing else,
+    each the tool's ``main``; pip installed each beside this Python, and the doctor's command runs (``--help``)."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    expected = {f"megatron-deepepv2-{tool.replace('_', '-')}": f"megatron_deepepv2.cli.{tool}:main" for tool in TOOLS}
+    assert declared == expected
+    bin_dir = Path(sys.executable).parent
+    for command, target in declared.items():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+        assert (bin_dir / command).is_file(), (f"{command} is not installed in {bin_dir}: reinstall the package "
+                                               "(pip install -e .)")
+    done = subprocess.run([str(bin_dir / "megatron-deepepv2-doctor"), "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 # What ``import megatron_deepepv2`` and then ``import MODULE`` load, from a fresh interpreter.
