@@ -246,6 +246,8 @@ SPLIT_INSTRUCTIONS = "bench_host_instructions_636a68a_bc20054.json"
 #: The same measure before and after DeepEP's calls stood apart from its build, run twice.
 ADAPTER_INSTRUCTIONS = ("bench_host_instructions_7ecbfeb_e8e0cfa.json",
                         "bench_host_instructions_7ecbfeb_e8e0cfa_second_run.json")
+STATE_INSTRUCTIONS = ("bench_host_instructions_0513fe7_6d52e47.json",
+                      "bench_host_instructions_0513fe7_6d52e47_second_run.json")
 HOT = "bench_hot_path_h200_ep1.json"
 HOT_SECOND = "bench_hot_path_h200_ep1_t4096_second_run.json"
 CHECKS = "bench_checks.json"
@@ -693,6 +695,18 @@ FIGURES: list[Figure] = [
                                 layer_instructions(file, "before", variant, 0)))],
         *[change(layer_instructions(file, "now", "autograd_floor", 0),
                  layer_instructions(file, "before", "autograd_floor", 0)) for file in ADAPTER_INSTRUCTIONS]),
+    fig("benchmarks.md", "second: the Megatron configuration {:,.0f} before and {:,.0f} after ({:+.1f}%), then "
+                         "{:,.0f} and {:,.0f} ({:+.1f}%); the\ndirect-call defaults {:,.0f} and {:,.0f} ({:+.1f}%), "
+                         "then {:,.0f} and {:,.0f} ({:+.1f}%); settings resolved per call {:,.0f}\nand {:,.0f} "
+                         "({:+.1f}%), then {:,.0f} and {:,.0f} ({:+.1f}%). `autograd_floor`, whose code is the same "
+                         "in both trees, moved\nby {:+.1f}% and {:+.1f}%",
+        *[source for variant in ("ops_megatron_config", "ops_config", "ops_resolved_per_call")
+          for file in STATE_INSTRUCTIONS
+          for source in (layer_instructions(file, "before", variant, 0), layer_instructions(file, "now", variant, 0),
+                         change(layer_instructions(file, "now", variant, 0),
+                                layer_instructions(file, "before", variant, 0)))],
+        *[change(layer_instructions(file, "now", "autograd_floor", 0),
+                 layer_instructions(file, "before", "autograd_floor", 0)) for file in STATE_INSTRUCTIONS]),
     fig("benchmarks.md", "of the {:,.0f} added instructions",
         rounded(difference(layer_instructions(SPLIT_INSTRUCTIONS, "now", "ops_megatron_config", 0),
                            layer_instructions(SPLIT_INSTRUCTIONS, "before", "ops_megatron_config", 0)), -3)),
