@@ -236,9 +236,9 @@ class CombineOutput(NamedTuple):
 
 class DispatchBackend(ABC):
     """A backend class; each instance is one communication buffer on one process group (the package's "buffer"; the
-    library's own buffer object, when there is one, is private to the backend). Construction and :meth:`destroy` are
-    collective over the group; inputs arrive checked (:mod:`megatron_deepepv2.validation`), contiguous, on the device
-    ``limits`` asks for.
+    library's own buffer object, when there is one, is the backend's under another name). Construction and
+    :meth:`destroy` are collective over the group; inputs arrive checked (:mod:`megatron_deepepv2.validation`),
+    contiguous, on the device ``limits`` asks for.
 
     Args:
         state: The state of the expert-parallel group (:func:`~megatron_deepepv2.groups.state_of`), which the buffer
@@ -250,6 +250,9 @@ class DispatchBackend(ABC):
             (a retired buffer is kept while one is alive); None until the first.
         state: The group's :class:`~megatron_deepepv2.groups.GroupState` (its ``call`` is the context of every call
             on the buffer's handles).
+
+    Raises:
+        TypeError: If ``state`` is not a :class:`~megatron_deepepv2.groups.GroupState` (a process group, say).
     """
 
     name: ClassVar[str]  #: registry name
@@ -260,6 +263,9 @@ class DispatchBackend(ABC):
     auto_preference: ClassVar[int] = 100
 
     def __init__(self, state: GroupState, spec: BufferSpec) -> None:
+        if not isinstance(state, GroupState):  # a build, once: a backend written for the former (group, spec)
+            raise TypeError(f"{type(self).__name__} is built with the group's state, not {type(state).__name__}: pass "
+                            "megatron_deepepv2.groups.state_of(group).")
         self.state = state
         self.group = state.group
         self.spec = spec

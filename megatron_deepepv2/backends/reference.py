@@ -221,7 +221,8 @@ class ReferenceBackend(DispatchBackend):
     Honours the whole contract of :class:`~megatron_deepepv2.backends.base.DispatchBackend`: compact
     and expand layouts, expert alignment, zero padding, FP8 pairs passed through, cached dispatch,
     combine with weights, and dispatch with or without host sync. Construction runs one small all-reduce
-    over the group, so that buffer (re)builds are collective as DeepEP's are.
+    over the group (and an all-gather naming each rank's token limit when they differ), so that buffer (re)builds are
+    collective as DeepEP's are.
     """
 
     name: ClassVar[str] = "reference"

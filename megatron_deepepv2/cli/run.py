@@ -57,6 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     megatron_deepepv2.install()
     if run_module:
         sys.argv = [target, *argv[2:]]
+        # As `python -m` finds modules in the current directory (an installed command's path starts at its bin/).
+        sys.path.insert(0, os.getcwd())
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         sys.argv = [target, *argv[1:]]

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -41,11 +42,12 @@ def test_each_command_prints_its_help_and_the_old_command_is_gone(tool: str) -> 
 
 def test_each_tool_is_an_installed_command_running_its_main() -> None:
     """``[project.scripts]`` declares ``megatron-deepepv2-TOOL`` (``_`` read as ``-``) for each tool and nothing else,
-    each the tool's ``main``; pip installed each beside this Python, and the doctor's command runs (``--help``)."""
+    each the tool's ``main``; pip installed each where this interpreter's commands go, and the doctor's command runs
+    (``--help``)."""
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     expected = {f"megatron-deepepv2-{tool.replace('_', '-')}": f"megatron_deepepv2.cli.{tool}:main" for tool in TOOLS}
     assert declared == expected
-    bin_dir = Path(sys.executable).parent
+    bin_dir = Path(sysconfig.get_path("scripts"))  # where pip installs this interpreter's commands
     for command, target in declared.items():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target

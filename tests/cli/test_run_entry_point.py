@@ -139,3 +139,23 @@ def test_run_sets_ep_disable_gin_without_an_rdma_nic(tmp_path: Path, monkeypatch
     lines = [r for r in caplog.records if "EP_DISABLE_GIN=1" in r.getMessage()]
     assert len(lines) == (1 if expected == "1" and user_value is None else 0), lines
     assert all(r.levelno == logging.INFO for r in lines)
+
+
+def test_a_module_in_the_current_directory_runs_whatever_the_path_starts_with(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-m MODULE`` finds a module of the current directory as ``python -m`` does, also where the interpreter's path
+    does not start with it (the installed ``megatron-deepepv2-run`` command's starts with its ``bin/``)."""
+    import megatron_deepepv2
+    from megatron_deepepv2.cli import doctor
+    from megatron_deepepv2.cli.run import main
+
+    monkeypatch.setattr(doctor, "find_rdma_devices", lambda: ["/sys/class/infiniband/mlx5_0"])
+    monkeypatch.setattr(megatron_deepepv2, "install", lambda: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path not in ("", os.getcwd(), str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "launch_in_cwd.py").write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+
+    assert main(["-m", "launch_in_cwd", str(tmp_path / "seen")]) == 0
+    assert (tmp_path / "seen").read_text() == "ran"
+    sys.modules.pop("launch_in_cwd", None)

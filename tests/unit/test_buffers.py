@@ -3,6 +3,7 @@ per step when no handle uses them, destroy; a layer's static checks run once wha
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import megatron_deepepv2 as dv2
@@ -295,3 +296,14 @@ def test_reference_buffers_sized_for_unlike_token_limits_raise_on_every_rank_nam
         assert kind == "ValueError", (kind, message)
         assert "reference buffer builds" in message and "num_max_tokens_per_rank differ" in message, message
         assert "rank 0: num_max_tokens_per_rank 16" in message and "rank 1: num_max_tokens_per_rank 32" in message
+
+
+def test_a_backend_built_with_a_group_instead_of_its_state_says_what_to_pass() -> None:
+    """The contract's constructor takes the group's state: a process group (or anything else) is refused at once,
+    before any collective, naming the call that gives the state."""
+    from megatron_deepepv2.backends.base import BufferSpec
+    from megatron_deepepv2.backends.reference import ReferenceBackend
+
+    with pytest.raises(TypeError, match=r"ReferenceBackend is built with the group's state, not object: pass "
+                                        r"megatron_deepepv2\.groups\.state_of\(group\)"):
+        ReferenceBackend(object(), BufferSpec(hidden=8, num_topk=2, num_max_tokens_per_rank=4))

@@ -353,7 +353,7 @@ def test_ranks_with_unlike_buffers_raise_naming_them_at_default_settings(field: 
         assert kind == "ValueError" and field in message.split(" differ (")[0].split("whose ")[-1], (rank, message)
         assert re.search(f"rank 1: [^;)]*{field} {rank1}", message), message
         assert re.search(f"rank 0: [^;)]*{field} {others}", message), message
-        assert "buffer builds" in message and all(field.name in message for field in BUILD_AGREEMENT), message
+        assert "buffer builds" in message and all(each.name in message for each in BUILD_AGREEMENT), message
 
 
 # ---------------------------------------------------------------- the device-side id check (CUDA)
