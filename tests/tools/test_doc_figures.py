@@ -465,6 +465,19 @@ def layer_instructions(file: str, tree: str, variant: str, digits: int = 1) -> S
     return scaled(source, 1e-3) if digits else source
 
 
+def two_runs_before_and_after(files: tuple[str, str]) -> list[Source]:
+    """The figures of a two-run instruction comparison, in the order its paragraph says them: per ops variant (the
+    Megatron configuration, the direct-call defaults, settings resolved per call) and run, the layer instructions
+    before, after and the change; then the change of ``autograd_floor`` in each run."""
+    def layer(file: str, tree: str, variant: str) -> Source:
+        return layer_instructions(file, tree, variant, 0)
+
+    return [*[source for variant in ("ops_megatron_config", "ops_config", "ops_resolved_per_call") for file in files
+              for source in (layer(file, "before", variant), layer(file, "now", variant),
+                             change(layer(file, "now", variant), layer(file, "before", variant)))],
+            *[change(layer(file, "now", "autograd_floor"), layer(file, "before", "autograd_floor")) for file in files]]
+
+
 def round_time(file: str, run: str) -> Source:
     """A training run's step time, the median of its timed steps (ms)."""
     return J(file, "runs", {"run": run}, "median_step_ms")
@@ -688,25 +701,13 @@ FIGURES: list[Figure] = [
                          "{:,.0f} ({:+.1f}%), then {:,.0f} and {:,.0f} ({:+.1f}%); settings resolved per call "
                          "{:,.0f} and {:,.0f} ({:+.1f}%), then {:,.0f} and {:,.0f} ({:+.1f}%). `autograd_floor`, "
                          "whose code is the same in both trees, moved by {:+.1f}% and {:+.1f}%",
-        *[source for variant in ("ops_megatron_config", "ops_config", "ops_resolved_per_call")
-          for file in ADAPTER_INSTRUCTIONS
-          for source in (layer_instructions(file, "before", variant, 0), layer_instructions(file, "now", variant, 0),
-                         change(layer_instructions(file, "now", variant, 0),
-                                layer_instructions(file, "before", variant, 0)))],
-        *[change(layer_instructions(file, "now", "autograd_floor", 0),
-                 layer_instructions(file, "before", "autograd_floor", 0)) for file in ADAPTER_INSTRUCTIONS]),
+        *two_runs_before_and_after(ADAPTER_INSTRUCTIONS)),
     fig("benchmarks.md", "second: the Megatron configuration {:,.0f} before and {:,.0f} after ({:+.1f}%), then "
                          "{:,.0f} and {:,.0f} ({:+.1f}%); the\ndirect-call defaults {:,.0f} and {:,.0f} ({:+.1f}%), "
                          "then {:,.0f} and {:,.0f} ({:+.1f}%); settings resolved per call {:,.0f}\nand {:,.0f} "
                          "({:+.1f}%), then {:,.0f} and {:,.0f} ({:+.1f}%). `autograd_floor`, whose code is the same "
                          "in both trees, moved\nby {:+.1f}% and {:+.1f}%",
-        *[source for variant in ("ops_megatron_config", "ops_config", "ops_resolved_per_call")
-          for file in STATE_INSTRUCTIONS
-          for source in (layer_instructions(file, "before", variant, 0), layer_instructions(file, "now", variant, 0),
-                         change(layer_instructions(file, "now", variant, 0),
-                                layer_instructions(file, "before", variant, 0)))],
-        *[change(layer_instructions(file, "now", "autograd_floor", 0),
-                 layer_instructions(file, "before", "autograd_floor", 0)) for file in STATE_INSTRUCTIONS]),
+        *two_runs_before_and_after(STATE_INSTRUCTIONS)),
     fig("benchmarks.md", "of the {:,.0f} added instructions",
         rounded(difference(layer_instructions(SPLIT_INSTRUCTIONS, "now", "ops_megatron_config", 0),
                            layer_instructions(SPLIT_INSTRUCTIONS, "before", "ops_megatron_config", 0)), -3)),
