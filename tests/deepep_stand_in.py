@@ -530,12 +530,11 @@ def install_fake_deep_ep(monkeypatch: pytest.MonkeyPatch, **exports) -> types.Mo
     return module
 
 
-def install_recording_deep_ep(monkeypatch: pytest.MonkeyPatch, line: str = "2.1") -> list[dict]:
-    """Makes ``deep_ep``, for the test's duration, a line's module whose buffer class only records how it is built.
+def install_recording_deep_ep(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Makes ``deep_ep``, for the test's duration, a 2.1 module whose ``ElasticBuffer`` only records how it is built.
 
     Args:
         monkeypatch: The test's ``monkeypatch``.
-        line: The DeepEP line (``"2.1"``: ``ElasticBuffer``; ``"V2.5"``: ``EPBuffer``).
 
     Returns:
         The keyword arguments of each buffer construction, in order, filled as buffers are built (the group, passed
@@ -549,8 +548,7 @@ def install_recording_deep_ep(monkeypatch: pytest.MonkeyPatch, line: str = "2.1"
         def __init__(self, group, **kwargs) -> None:
             built.append(kwargs)
 
-    name, _ = STAND_INS[line]
-    install_fake_deep_ep(monkeypatch, **{name: RecordingBuffer, "__version__": FAKE_VERSIONS[line]})
+    install_fake_deep_ep(monkeypatch, ElasticBuffer=RecordingBuffer, __version__=FAKE_VERSIONS["2.1"])
     return built
 
 
@@ -564,7 +562,7 @@ def handle_stand_in(name: str, *, parameters: Sequence[str] = (), attributes: Se
 
     Args:
         name: The class's name.
-        parameters: The constructor's parameters after ``self``; a built handle keeps each as an attribute.
+        parameters: The constructor's parameters after ``self``, as its signature shows them.
         attributes: Class attributes, each None (exposed through ``dir`` only).
         sort: Whether the class has ``deterministic_sort``, with DeepEP's signature (it raises if ever called).
         doc: The class's docstring: what the handle stands for.
@@ -572,15 +570,11 @@ def handle_stand_in(name: str, *, parameters: Sequence[str] = (), attributes: Se
     Returns:
         The class.
     """
-    signature = inspect.Signature([inspect.Parameter(field, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                                   for field in ("self", *parameters)])
-
     def __init__(self, *args, **kwargs) -> None:
-        for field, value in signature.bind(self, *args, **kwargs).arguments.items():
-            if field != "self":
-                setattr(self, field, value)
+        raise AssertionError("never built by a check")
 
-    __init__.__signature__ = signature
+    __init__.__signature__ = inspect.Signature([inspect.Parameter(field, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                                for field in ("self", *parameters)])
     namespace = {"__init__": __init__, "__doc__": doc, "__module__": __name__, **dict.fromkeys(attributes)}
     if sort:
         def deterministic_sort(self, do_cpu_sync, is_cached_dispatch, recv_x, recv_sf, recv_topk_idx,

@@ -21,9 +21,9 @@ Every benchmark here times, starts and writes the same way, so that their number
 * :func:`provenance`: the git commit the numbers come from (and whether the tree had uncommitted changes), where
   that commit was read (``BENCH_GIT_REVISION``, the package's own git checkout, or unknown) and the date, for the JSON
   document, and :func:`software_versions`: the versions of the packages the numbers ran with;
-* :func:`write_outputs`, with :func:`new_figure`, :func:`grouped_bars` and :func:`save_figure`: the JSON document
-  and its PNG plot (matplotlib, Agg backend; without matplotlib the JSON is written and a warning says how to get
-  the plot).
+* :func:`write_outputs`, with :func:`new_figure` (or :func:`new_panels`), :func:`grouped_bars` and
+  :func:`save_figure`: the JSON document and its PNG plot (matplotlib, Agg backend; without matplotlib the JSON is
+  written and a warning says how to get the plot).
 
 This module imports neither torch nor the package at import time: ``bench_host_overhead.py`` drives other
 checkouts of the package from processes that import it only once their checkout is on the path, and its driver
@@ -588,12 +588,35 @@ def new_figure(width: float, height: float) -> tuple["Figure", "Axes"]:
     Raises:
         ImportError: matplotlib is not installed.
     """
+    return _pyplot().subplots(figsize=(width, height))
+
+
+def new_panels(width: float, height: float, columns: int) -> tuple["Figure", list["Axes"]]:
+    """A figure with ``columns`` axes side by side, as :func:`new_figure` makes one.
+
+    Args:
+        width: Inches.
+        height: Inches.
+        columns: Axes, left to right.
+
+    Returns:
+        The figure and its axes, in order.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    fig, axes = _pyplot().subplots(1, columns, squeeze=False, figsize=(width, height))
+    return fig, list(axes[0])
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    return plt.subplots(figsize=(width, height))
+    return plt
 
 
 def grouped_bars(ax: "Axes", groups: Sequence[str], series: Mapping[str, Sequence[float]], *,

@@ -28,7 +28,8 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools._bench import new_figure, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
+from tools import train_gpt  # noqa: E402
+from tools._bench import new_panels, provenance, save_figure, setup_logging, write_outputs  # noqa: E402
 
 logger = logging.getLogger("rounds_summary")
 
@@ -58,8 +59,8 @@ def _model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[s
             report), or None.
 
     Returns:
-        ``{"report", "trace", "machine", "commits", "date", "configurations", "targets"}``: ``commits`` and
-        ``date`` as the report recorded them.
+        ``{"report", "trace", "machine", "provenance", "configurations", "targets"}``: ``provenance`` as the report
+        recorded it.
 
     Raises:
         ValueError: The report has no configurations or no targets, or the trace names a configuration the report
@@ -90,8 +91,7 @@ def _model_summary(report_path: str, trace_path: Optional[str] = None) -> dict[s
                                         / configurations[target["baseline"]]["median_step_ms"])
         targets.append(entry)
     return {"report": report_path, "trace": trace_path, "machine": report.get("machine"),
-            "commits": recorded.get("git_commits") or [commit for commit in [recorded.get("git_commit")] if commit],
-            "date": recorded.get("date"), "configurations": configurations, "targets": targets}
+            "provenance": recorded, "configurations": configurations, "targets": targets}
 
 
 def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
@@ -124,19 +124,13 @@ def summarise(models: dict[str, tuple[str, Optional[str]]]) -> dict[str, Any]:
 
 
 def runs_provenance(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Where the figures come from.
+    """Where the figures come from: the reports' runs (:func:`tools.train_gpt.runs_provenance` over the reports'
+    provenances), and ``summarised_by``, this checkout's own provenance.
 
     Args:
         summaries: :func:`model_summary` per model.
-
-    Returns:
-        The commits the reports recorded (``git_commit`` when they share one, else None), the latest report's date,
-        and ``summarised_by``, this checkout's own provenance.
     """
-    commits = sorted({commit for summary in summaries.values() for commit in summary["commits"]})
-    dates = [summary["date"] for summary in summaries.values() if summary["date"]]
-    return {"git_commit": commits[0] if len(commits) == 1 else None, "git_commits": commits,
-            "date": max(dates) if dates else None, "summarised_by": provenance()}
+    return {**train_gpt.runs_provenance(list(summaries.values())), "summarised_by": provenance()}
 
 
 def plot(document: dict, path: str) -> None:
@@ -148,9 +142,8 @@ def plot(document: dict, path: str) -> None:
         path: The PNG file.
     """
     models = document["models"]
-    fig, _ = new_figure(5.0 * len(models), 4.2)
-    fig.clf()
-    for ax, (model, summary) in zip(fig.subplots(1, len(models), squeeze=False)[0], models.items()):
+    fig, axes = new_panels(5.0 * len(models), 4.2, len(models))
+    for ax, (model, summary) in zip(axes, models.items()):
         paired = [label for t in summary["targets"] for label in (t["baseline"], t["run"])]
         labels = list(dict.fromkeys([*paired, *summary["configurations"]]))
         for i, label in enumerate(labels):

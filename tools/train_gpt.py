@@ -59,7 +59,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools._bench import (new_figure, provenance, save_figure, setup_logging, software_versions,  # noqa: E402
+from tools._bench import (new_panels, provenance, save_figure, setup_logging, software_versions,  # noqa: E402
                           write_outputs)
 
 logger = logging.getLogger("train_gpt")
@@ -569,10 +569,12 @@ def target_ratios(groups: dict, targets: Sequence[str]) -> list[dict]:
 
 
 def runs_provenance(summaries: Sequence[dict]) -> dict:
-    """Where a report's numbers come from: the commits and dates its runs recorded (not the report's own checkout)."""
+    """Where a report's numbers come from: the commits and dates its runs recorded (not the report's own checkout).
+    A run's provenance may itself be a report's (``git_commits``, ``first_date``): its commits and dates count."""
     recorded = [r["provenance"] for r in summaries if r.get("provenance")]
-    commits = sorted({p.get("git_commit") or "unknown" for p in recorded})
-    dates = sorted(p["date"] for p in recorded if p.get("date"))
+    commits = sorted({commit for p in recorded
+                      for commit in (p["git_commits"] if "git_commits" in p else [p.get("git_commit") or "unknown"])})
+    dates = sorted(date for p in recorded for date in (p.get("first_date"), p.get("date")) if date)
     return {"git_commit": commits[0] if len(commits) == 1 else None, "git_commits": commits,
             "git_dirty": any(p.get("git_dirty") for p in recorded),
             "date": dates[-1] if dates else None, "first_date": dates[0] if dates else None}
@@ -674,9 +676,7 @@ def plot(document: dict, path: str) -> None:
     """Loss per step of every run (left), tokens/s per configuration with its expert module (middle), and, with
     targets, each target's step-time ratio in every round beside its limit (right)."""
     targets = document.get("targets", [])
-    fig, _ = new_figure(18 if targets else 12, 4.8)
-    fig.clf()
-    axes = fig.subplots(1, 3 if targets else 2)
+    fig, axes = new_panels(18 if targets else 12, 4.8, 3 if targets else 2)
     left, middle = axes[0], axes[1]
     for run in document["runs"]:
         steps = sorted(run["loss"], key=int)
@@ -875,7 +875,7 @@ def _run_launch(launch: Launch, megatron_lm: str, model: str, steps: int, out: s
     if fresh_caches:  # compiled for this launch alone: no later one may use them
         shutil.rmtree(launch_caches(launch, out), ignore_errors=True)
     return {"variant": launch.variant.name, "round": launch.round_number, "record": launch.out, "exit": status,
-            "seconds": round(seconds, 1), "fresh_caches": fresh_caches}
+            "seconds": round(seconds, 1)}
 
 
 def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: int, steps: int, out: str,
@@ -932,7 +932,7 @@ def run_rounds(megatron_lm: str, model: str, variants: Sequence[str], rounds: in
                     elapsed)
         results.append(_run_launch(launch, megatron_lm, model, steps, out, extra, run_timeout_s, fresh_caches))
         with open(os.path.join(out, "rounds.json"), "w") as f:
-            json.dump({"model": model, "steps": steps, "options": options, "launches": results}, f, indent=1)
+            json.dump({"options": options, "launches": results}, f, indent=1)
     return results
 
 

@@ -11,7 +11,6 @@ every ``docs/*.json`` that a doc names must exist.
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -1406,9 +1405,14 @@ def te_step(model: str, label: str) -> Source:
     return median(*[round_time(te_report(model), f"{label}#{i}") for i in (1, 2, 3)])
 
 
+def te_trace(model: str, label: str, *path: str) -> Source:
+    """A figure of a traced configuration's step, from the model's trace summary."""
+    return trace(f"{TE_MODELS[model]}_trace.json", label, *path)
+
+
 def te_busy(model: str, label: str) -> Source:
-    """A traced configuration's GPU-busy time per step (ms), from the model's trace summary."""
-    return J(f"{TE_MODELS[model]}_trace.json", "summaries", label, "gpu_busy_ms")
+    """A traced configuration's GPU-busy time per step (ms)."""
+    return te_trace(model, label, "gpu_busy_ms")
 
 
 def te_first_steps(file: str, label: str, rounds: Iterable[int]) -> list[Source]:
@@ -1497,16 +1501,16 @@ GPU_SUITE_FIGURES: list[Figure] = [
         *[calc(lambda *sides: sides[0] if round(sides[0], 1) == round(sides[1], 1) else float("nan"),
                *[calc(lambda kernels, prefix=prefix: next(ms for name, ms in kernels.items()
                                                           if name.startswith(prefix)),
-                      J(f"{TE_MODELS['gpt-moe']}_trace.json", "summaries", label, "top_kernels_ms"))
+                      te_trace("gpt-moe", label, "top_kernels_ms"))
                  for label in TE_BEST])
           for prefix in ("void multi_tensor_apply_kernel<TensorListMetadata<4", "_ZN7cutlass13device_kernel")]),
     fig("training.md", "{:.0f}% of alltoall's traced step is GPU-busy ({:.1f} of {:.1f} ms), {:.0f}% of deepepv2's",
         percent(te_busy("gpt-moe-large", TE_BEST[1]),
-                J(f"{TE_MODELS['gpt-moe-large']}_trace.json", "summaries", TE_BEST[1], "wall_ms")),
+                te_trace("gpt-moe-large", TE_BEST[1], "wall_ms")),
         te_busy("gpt-moe-large", TE_BEST[1]),
-        J(f"{TE_MODELS['gpt-moe-large']}_trace.json", "summaries", TE_BEST[1], "wall_ms"),
+        te_trace("gpt-moe-large", TE_BEST[1], "wall_ms"),
         percent(te_busy("gpt-moe-large", TE_BEST[0]),
-                J(f"{TE_MODELS['gpt-moe-large']}_trace.json", "summaries", TE_BEST[0], "wall_ms"))),
+                te_trace("gpt-moe-large", TE_BEST[0], "wall_ms"))),
     fig("training.md", "took {:.1f} ms a\nstep for `alltoall-syncfree-te-graphs` and {:.1f} ms for "
                        "`alltoall-te-graphs`, {:.1f}x and {:.1f}x this machine's, while\n"
                        "`deepepv2-nohostsync-te-layer-graphs` took {:.1f} ms, {:.1f}x: there the ratio was {:.3f}",

@@ -66,7 +66,7 @@ def test_a_trace_of_another_configuration_or_a_report_without_targets_is_refused
     mixed = rounds_summary.runs_provenance({"a": rounds_summary.model_summary(str(commits[0])),
                                             "b": rounds_summary.model_summary(str(commits[1]))})
     assert mixed["git_commit"] is None and mixed["git_commits"] == ["0000000", "1111111"]
-    assert mixed["date"].startswith("2099")
+    assert mixed["date"].startswith("2099") and mixed["first_date"].startswith("2026") and not mixed["git_dirty"]
     assert rounds_summary.runs_provenance({"a": rounds_summary.model_summary(str(commits[0]))})["git_commit"] == \
         "1111111"
     untargeted = tmp_path / "untargeted.json"
